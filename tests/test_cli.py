@@ -1,0 +1,65 @@
+"""The command lines as a user runs them: real processes, exit codes, no tracebacks for mistakes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_head_init_then_reference_generate(tiny_dirs, tmp_path):
+    target = str(tiny_dirs["llama"])
+    head = tmp_path / "head"
+    r = run("-m", "tsengine.cli", "head", "init", "--target", target, "--out", str(head),
+            "--draft-vocab-size", "128", "--seed", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(head)
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 128
+    r = run("-m", "infer.generate", "--target", target, "--draft", str(head), "--prompt", "the water",
+            "--topk", "2", "--steps", "3", "--num-draft-tokens", "7", "--max-new-tokens", "12", "--json",
+            "--check-greedy")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"tokens", "accept_lengths", "text", "greedy_check"}
+    assert len(out["tokens"]) <= 12 and sum(out["accept_lengths"]) == len(out["tokens"]) - 1
+    assert out["greedy_check"]["status"] in ("match", "near-tie")
+
+
+def test_head_init_with_token_counts(tiny_dirs, tmp_path):
+    counts = tmp_path / "counts.json"
+    counts.write_text(json.dumps({"300": 50, "7": 10}))
+    r = run("-m", "tsengine.cli", "head", "init", "--target", str(tiny_dirs["qwen3"]), "--out", str(tmp_path / "h"),
+            "--draft-vocab-size", "2", "--token-counts", str(counts))
+    assert r.returncode == 0, r.stderr
+    from safetensors.torch import load_file
+
+    d2t = load_file(tmp_path / "h" / "model.safetensors")["d2t"]
+    assert (d2t + __import__("torch").arange(2)).tolist() == [7, 300]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["tsengine.cli", "head", "init", "--target", "/no/such/dir", "--out", "{out}"], "is not a model directory"),
+    (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "100000"],
+     "draft_vocab_size (100000) must be <= vocab_size (384)"),
+    (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "0"],
+     "expected a positive integer"),
+    (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--aux-layer-ids", "1,2"],
+     "expected three comma-separated layer ids"),
+    (["tsengine.cli", "pull", "gpt-17"], "unknown embedded target 'gpt-17'; available: smollm2-135m"),
+    (["infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x"], "draft head directory /no/head does not exist"),
+    (["infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--topk", "2"],
+     "--num-draft-tokens is required for a tree"),
+    (["infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--num-draft-tokens", "9"],
+     "needs num_draft_tokens = steps + 1 = 4"),
+])
+def test_user_mistakes_exit_nonzero_without_traceback(tiny_dirs, args, needle, tmp_path):
+    args = [a.replace("{llama}", str(tiny_dirs["llama"])).replace("{out}", str(tmp_path / "out")) for a in args]
+    r = run("-m", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
