@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from tsengine.eagle3.head import Eagle3Head, aux_hidden_states
-from tsengine.errors import fail_if
+from tsengine.errors import UserError, fail_if
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,8 @@ class ReferenceSpeculator:
 
     # ---- generate -------------------------------------------------------------------------------
     def generate(self, prompt: list[int], max_new_tokens: int, eos_ids: Sequence[int] = ()) -> SpecOutput:
+        if not prompt:
+            raise UserError("the prompt is empty: the target needs at least one token to start from")
         eos = set(eos_ids)
         logits, feats = self._target(list(prompt))
         tokens = list(prompt) + [int(torch.argmax(logits[-1]))]
