@@ -147,7 +147,7 @@ class Eagle3Config(BaseModel):
         fields = dict(
             hidden_size=d.get("hidden_size"), intermediate_size=d.get("intermediate_size"),
             num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or (d.get("hidden_size", 0) // heads if heads else None),
+            head_dim=d.get("head_dim") or ((d.get("hidden_size") or 0) // heads if heads else None),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), max_position_embeddings=d.get("max_position_embeddings", 4096),
             rope_parameters=_rope_from_dict(d), vocab_size=d.get("vocab_size"),
             draft_vocab_size=d.get("draft_vocab_size") or d.get("vocab_size"),
