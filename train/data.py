@@ -1,0 +1,133 @@
+"""Chat data -> token ids + an assistant-only loss mask, through the target tokenizer's own chat template.
+
+Rows come in ShareGPT shape (`conversations: [{from, value}]`) or OpenAI shape (`messages: [{role,
+content}]`), from local JSON / JSONL / Parquet through `datasets` (hub names work when online).
+
+The mask is derived from the template itself, so any template works without per-model rules: for each
+assistant turn i, the text the template adds between `render(messages[:i], add_generation_prompt=True)`
+and `render(messages[:i+1])` is that turn's content plus its end-of-turn marker. Tokens whose characters
+fall in those spans (trailing whitespace trimmed) are trained on; everything else is context. A template
+that re-renders earlier turns differently (not prefix-stable) is detected and the row is skipped by reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from tsengine.errors import UserError
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class Skipped:
+    """Rows left out, counted by reason; printed as one summary line."""
+
+    reasons: Counter = field(default_factory=Counter)
+
+    def add(self, reason: str) -> None:
+        self.reasons[reason] += 1
+
+    def summary(self, kept: int) -> str:
+        if not self.reasons:
+            return f"{kept} rows kept, none skipped"
+        parts = ", ".join(f"{n} {r}" for r, n in self.reasons.most_common())
+        return f"{kept} rows kept, {sum(self.reasons.values())} skipped ({parts})"
+
+
+def normalize(row: dict[str, Any]) -> list[dict[str, str]]:
+    """Either shape -> [{role, content}]; raises ValueError(reason) for a malformed row."""
+    if row.get("messages") is not None:
+        raw, keys = row["messages"], ("role", "content")
+    elif row.get("conversations") is not None:
+        raw, keys = row["conversations"], ("from", "value")
+    else:
+        raise ValueError("no messages/conversations")
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise ValueError("turns are not a list of objects")
+    turns = [(m.get(keys[0]), m.get(keys[1])) for m in raw]
+    if not turns:
+        raise ValueError("no turns")
+    out = []
+    for role, content in turns:
+        if role not in ROLES:
+            raise ValueError("unknown role")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError("empty content")
+        out.append({"role": ROLES[role], "content": content})
+    if not any(m["role"] == "assistant" for m in out):
+        raise ValueError("no assistant turn")
+    if not any(m["role"] == "user" for m in out):
+        raise ValueError("no user turn")
+    return out
+
+
+def render(tok, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendered text and the [start, end) character spans of every assistant turn."""
+    full = render(tok, messages)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(tok, messages[:i], add_generation_prompt=True) if i else ""
+        after = render(tok, messages[: i + 1])
+        if not (after.startswith(before) and full.startswith(after)):
+            raise ValueError("template not prefix-stable")
+        end = len(after.rstrip())
+        if end > len(before):
+            spans.append((len(before), end))
+    return full, spans
+
+
+def tokenize(tok, messages: list[dict[str, str]], max_length: int | None = None) -> Example:
+    full, spans = assistant_spans(tok, messages)
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in offsets]
+    if max_length is not None and len(ids) > max_length:
+        raise ValueError("over max length")
+    if not any(mask):
+        raise ValueError("no assistant tokens")
+    return Example(ids, mask)
+
+
+def load_rows(source: str, split: str = "train") -> Iterable[dict[str, Any]]:
+    """Local .json/.jsonl/.parquet (or a directory of them) through `datasets`; else a hub dataset name."""
+    import datasets
+
+    path = Path(source)
+    kinds = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+    if path.exists():
+        files = sorted(p for p in path.iterdir() if p.suffix in kinds) if path.is_dir() else [path]
+        if not files or path.suffix not in kinds and not path.is_dir():
+            raise UserError(f"data {source}: expected .json, .jsonl or .parquet files")
+        builder = kinds[files[0].suffix]
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
+    if source.count("/") == 1 and not source.startswith((".", "/")):
+        return datasets.load_dataset(source, split=split)
+    raise UserError(f"data {source}: no such file or directory (nor a hub dataset name org/name)")
+
+
+def build(tok, rows: Iterable[dict[str, Any]], max_length: int | None = None) -> tuple[list[Example], Skipped]:
+    """Tokenize every well-formed row; malformed ones are counted by reason and left out."""
+    kept, skipped = [], Skipped()
+    for row in rows:
+        try:
+            kept.append(tokenize(tok, normalize(row), max_length))
+        except ValueError as e:
+            skipped.add(str(e))
+    return kept, skipped
