@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run(*args, env=None):
@@ -39,7 +40,7 @@ def test_head_init_with_token_counts(tiny_dirs, tmp_path):
     from safetensors.torch import load_file
 
     d2t = load_file(tmp_path / "h" / "model.safetensors")["d2t"]
-    assert (d2t + __import__("torch").arange(2)).tolist() == [7, 300]
+    assert (d2t + torch.arange(2)).tolist() == [7, 300]
 
 
 @pytest.mark.parametrize("args,needle", [
