@@ -254,8 +254,8 @@ def _dfs_order(keep: list[int], score, token, parent) -> DraftTree:
 @torch.no_grad()
 def greedy_generate(target, prompt: list[int], max_new_tokens: int, eos_ids: Sequence[int] = ()) -> list[int]:
     """Plain greedy decoding, full recompute per token (same kernels as the speculator's forwards)."""
-    ids, out = list(prompt), []
-    while len(out) < max_new_tokens and not (out and out[-1] in set(eos_ids)):
+    ids, out, eos = list(prompt), [], set(eos_ids)
+    while len(out) < max_new_tokens and not (out and out[-1] in eos):
         logits = target(torch.tensor([ids], device=target.device)).logits[0, -1]
         ids.append(int(torch.argmax(logits.float())))
         out.append(ids[-1])

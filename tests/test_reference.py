@@ -4,7 +4,6 @@ import random
 import zlib
 
 import pytest
-import torch
 
 from infer.reference import (DraftTree, ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate,
                              prefix_tree_mask)
