@@ -11,6 +11,17 @@ LLAMA3 = (
     "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
+# Written by us to reproduce Qwen3's rendering of plain chats (not its template text): the assistant turn
+# after the last user message gets an empty think block, earlier ones do not, so the rendering of a
+# conversation is not a prefix of the rendering of its continuation.
+QWEN3 = (
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m.content + '<|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the water"},
         {"role": "assistant", "content": "one number"}, {"role": "user", "content": "how long"},
         {"role": "assistant", "content": "two people"}]
@@ -44,6 +55,25 @@ def test_llama3_golden(tiny_models):
     tok.chat_template = LLAMA3
     ex = tokenize(tok, CHAT)
     assert masked_text(tok, ex) == ["one number<|eot_id|>", "two people<|eot_id|>"]
+
+
+def test_qwen3_golden_not_prefix_stable(tiny_models):
+    _, tok = tiny_models["qwen3"]
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    tok.chat_template = QWEN3
+    ex = tokenize(tok, CHAT)
+    assert masked_text(tok, ex) == ["one number<|im_end|>", "two people<|im_end|>"]
+    text = tok.decode(ex.input_ids)
+    assert text.count("<think>") == 1 and "<think>\n\n</think>\n\ntwo people" in text
+
+
+def test_repeated_text_masks_the_assistant_copy(tiny_models):
+    _, tok = tiny_models["llama"]
+    chat = [{"role": "user", "content": "one number"}, {"role": "assistant", "content": "one number"}]
+    ex = tokenize(tok, chat)
+    assert masked_text(tok, ex) == ["one number<|im_end|>"]
+    first_masked = ex.loss_mask.index(1)
+    assert "assistant" in tok.decode(ex.input_ids[:first_masked])
 
 
 @pytest.mark.real_model

@@ -3,11 +3,12 @@
 Rows come in ShareGPT shape (`conversations: [{from, value}]`) or OpenAI shape (`messages: [{role,
 content}]`), from local JSON / JSONL / Parquet through `datasets` (hub names work when online).
 
-The mask is derived from the template itself, so any template works without per-model rules: for each
-assistant turn i, the text the template adds between `render(messages[:i], add_generation_prompt=True)`
-and `render(messages[:i+1])` is that turn's content plus its end-of-turn marker. Tokens whose characters
-fall in those spans (trailing whitespace trimmed) are trained on; everything else is context. A template
-that re-renders earlier turns differently (not prefix-stable) is detected and the row is skipped by reason.
+The mask is derived from the rendered text, so any template works without per-model regexes: every
+message's content is located in order in the full rendering (templates may trim it, and may re-render
+earlier turns differently, as Qwen3 does with its think block, so a prefix diff would not do), and an
+assistant span runs from its content to the end-of-turn token the template writes right after it (found
+once per tokenizer by rendering a probe turn). Tokens whose characters fall in those spans are trained
+on; everything else, template scaffolding included, is context.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class Skipped:
         return f"{kept} rows kept, {sum(self.reasons.values())} skipped ({parts})"
 
 
-def normalize(row: dict[str, Any]) -> list[dict[str, str]]:
-    """Either shape -> [{role, content}]; raises ValueError(reason) for a malformed row."""
+def normalize(row: dict[str, Any], require_assistant: bool = True) -> list[dict[str, str]]:
+    """Either shape -> [{role, content}]; raises ValueError(reason) for a malformed row. A prompt row
+    (`require_assistant=False`) may stop before the reply; regeneration appends one."""
     if row.get("messages") is not None:
         raw, keys = row["messages"], ("role", "content")
     elif row.get("conversations") is not None:
@@ -65,7 +67,7 @@ def normalize(row: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(content, str) or not content.strip():
             raise ValueError("empty content")
         out.append({"role": ROLES[role], "content": content})
-    if not any(m["role"] == "assistant" for m in out):
+    if require_assistant and not any(m["role"] == "assistant" for m in out):
         raise ValueError("no assistant turn")
     if not any(m["role"] == "user" for m in out):
         raise ValueError("no user turn")
@@ -76,20 +78,38 @@ def render(tok, messages: list[dict[str, str]], add_generation_prompt: bool = Fa
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+_PROBE = "tsengine-probe-7f3a"
+
+
+def end_of_turn(tok) -> str:
+    """The special token the template writes right after an assistant message ('' if none)."""
+    cached = getattr(tok, "_tsengine_eot", None)
+    if cached is not None:
+        return cached
+    full = render(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}])
+    rest = full[full.index(_PROBE) + len(_PROBE):].lstrip(" ")
+    specials = set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values() if t.special}
+    eot = max((s for s in specials if s and rest.startswith(s)), key=len, default="")
+    tok._tsengine_eot = eot
+    return eot
+
+
 def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the [start, end) character spans of every assistant turn."""
-    full = render(tok, messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render(tok, messages[:i], add_generation_prompt=True) if i else ""
-        after = render(tok, messages[: i + 1])
-        if not (after.startswith(before) and full.startswith(after)):
-            raise ValueError("template not prefix-stable")
-        end = len(after.rstrip())
-        if end > len(before):
-            spans.append((len(before), end))
+    full, eot = render(tok, messages), end_of_turn(tok)
+    spans, cursor = [], 0
+    for m in messages:
+        text = m["content"].strip()
+        start = full.find(text, cursor)
+        if start < 0:
+            raise ValueError("template drops a turn's content")
+        end = cursor = start + len(text)
+        if m["role"] == "assistant":
+            rest = full[end:]
+            gap = len(rest) - len(rest.lstrip(" "))
+            if eot and rest[gap:].startswith(eot):
+                end += gap + len(eot)
+            spans.append((start, end))
     return full, spans
 
 

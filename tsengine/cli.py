@@ -39,6 +39,20 @@ def _head_init(args) -> None:
     print(save_head(head, args.out))
 
 
+def _export(args) -> None:
+    from train.export import export_checkpoint
+
+    target = None
+    if args.target:
+        from transformers import AutoConfig
+
+        from tsengine.targets import resolve
+
+        target = AutoConfig.from_pretrained(resolve(args.target))
+    out = export_checkpoint(args.checkpoint, args.out, target=target, dtype=args.dtype)
+    print(f"exported {out}")
+
+
 def _layer_ids(text: str) -> tuple[int, int, int]:
     try:
         ids = tuple(int(x) for x in text.split(","))
@@ -78,6 +92,13 @@ def parser() -> argparse.ArgumentParser:
     hi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     hi.add_argument("--seed", type=int, default=0)
     hi.set_defaults(run=_head_init)
+
+    ex = sub.add_parser("export", help="write a training checkpoint's head in the SGLang/vLLM format")
+    ex.add_argument("checkpoint", help="checkpoints/step-N directory, or a run directory (latest checkpoint)")
+    ex.add_argument("--out", required=True, help="output head directory")
+    ex.add_argument("--target", help="also check the head fits this target (dir, embedded name or hub id)")
+    ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: as trained)")
+    ex.set_defaults(run=_export)
     return p
 
 

@@ -1,0 +1,64 @@
+"""Checkpoint -> the interchange format (config.json + model.safetensors) that SGLang, vLLM and tsengine load.
+
+    tsengine export CHECKPOINT --out DIR [--target T] [--dtype bfloat16]
+
+CHECKPOINT is a `checkpoints/step-N` directory or a run directory (its latest complete checkpoint). The
+checkpoint's head weights go through the same validation as a head being loaded for serving, so an
+incomplete or mismatched checkpoint is refused with every problem named, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from tsengine.eagle3.config import Eagle3Config
+from tsengine.eagle3.format import load_head, save_head, validate
+from tsengine.eagle3.head import Eagle3Head
+from tsengine.errors import UserError
+
+NEEDED = ("COMPLETE", "head_config.json", "head.safetensors")
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"checkpoint {path}: no such directory")
+    if (p / "checkpoints").is_dir():
+        done = sorted(c for c in (p / "checkpoints").glob("step-*") if (c / "COMPLETE").exists())
+        if not done:
+            raise UserError(f"checkpoint {path}: the run has no complete checkpoint under checkpoints/")
+        return done[-1]
+    return p
+
+
+def export_checkpoint(path: str | Path, out: str | Path, target=None, dtype: str | None = None) -> Path:
+    """Validate the checkpoint's head (and its fit to `target`, a HF config, if given), then write `out`."""
+    ckpt = find_checkpoint(path)
+    missing = [n for n in NEEDED if not (ckpt / n).exists()]
+    if missing:
+        raise UserError(f"checkpoint {ckpt} is incomplete: missing {', '.join(missing)} "
+                        "(interrupted while saving? use an earlier step)")
+    try:
+        raw = json.loads((ckpt / "head_config.json").read_text())
+    except ValueError as e:
+        raise UserError(f"{ckpt / 'head_config.json'} is not valid JSON ({e})") from None
+    cfg = Eagle3Config.from_hf_dict(raw, where=str(ckpt / "head_config.json"),
+                                    target_num_layers=getattr(target, "num_hidden_layers", None))
+    try:
+        with safe_open(str(ckpt / "head.safetensors"), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{ckpt / 'head.safetensors'} is not a readable safetensors file ({e})") from None
+    problems = validate(cfg, tensors, target, where=str(ckpt))
+    if problems:
+        raise UserError("the checkpoint does not hold an exportable head:\n" + "\n".join(f"  - {p}" for p in problems))
+    if dtype is not None:
+        cfg = cfg.model_copy(update={"dtype": dtype})
+    head = Eagle3Head(cfg)
+    head.load_state_dict(tensors, strict=True)
+    save_head(head, out)
+    load_head(out, target=target)  # what we wrote is what a server will accept
+    return Path(out)

@@ -1,0 +1,186 @@
+"""Typed training recipes: YAML in, one validated object out, or one error naming every bad field.
+
+Strict like SpecForge's config: an unknown key is an error (a typo must never silently train with a
+default), every number has a documented range, and `key.sub=value` overrides on the command line go
+through the same validation as the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tsengine.errors import UserError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Data(_Strict):
+    # "builtin": the project's own prompt collection (train/prompts); else a local file/dir or hub dataset
+    source: str = "builtin"
+    val_source: Optional[str] = None  # None: builtin's validation split, or 5% held out of `source`
+    max_length: int = Field(1024, ge=16, le=131072)
+    max_samples: Optional[int] = Field(None, ge=1)  # train rows used (quick runs)
+    max_val_samples: Optional[int] = Field(None, ge=1)
+    regenerate: bool = True  # replace assistant turns with the target's own answers
+
+
+class Regen(_Strict):
+    batch_size: int = Field(32, ge=1, le=4096)
+    max_new_tokens: int = Field(256, ge=1, le=32768)
+    temperature: float = Field(0.0, ge=0.0, le=5.0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+
+
+class Vocab(_Strict):
+    draft_vocab_size: int = Field(32000, ge=1, le=1_000_000)
+
+
+class Head(_Strict):
+    aux_layer_ids: Optional[tuple[int, int, int]] = None  # None: EAGLE-3's low/mid/high default
+    init_std: float = Field(0.02, gt=0.0, le=1.0)
+
+
+class Features(_Strict):
+    mode: Literal["online", "offline"] = "online"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # offline storage dtype
+    shard_tokens: int = Field(262144, ge=1024, le=1 << 30)
+
+
+class Optim(_Strict):
+    ttt_steps: int = Field(7, ge=1, le=16)
+    step_weight_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step k is this ** k
+    lr: float = Field(1e-4, gt=0.0, le=1.0)
+    warmup_ratio: float = Field(0.02, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    epochs: int = Field(1, ge=1, le=1000)
+    max_steps: Optional[int] = Field(None, ge=1)  # optimizer steps; stops early
+    batch_tokens: int = Field(8192, ge=16, le=1 << 24)  # padded tokens per micro-batch per rank
+    grad_accum: int = Field(1, ge=1, le=1024)
+    grad_clip: float = Field(0.5, gt=0.0, le=1e6)
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    loss_chunk_tokens: int = Field(2048, ge=16, le=1 << 24)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    checkpoint_every: int = Field(200, ge=1)
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    eval_every: int = Field(200, ge=1)
+    log_every: int = Field(10, ge=1)
+
+
+class Log(_Strict):
+    report_to: Literal["wandb", "none"] = "wandb"
+    project: str = "tsengine"
+    run_name: Optional[str] = None
+
+
+class Eval(_Strict):
+    num_prompts: int = Field(20, ge=1)
+    max_new_tokens: int = Field(128, ge=1, le=32768)
+    chain: tuple[int, int, int] = (3, 1, 4)  # steps, topk, num_draft_tokens
+    tree: Optional[tuple[int, int, int]] = (6, 8, 32)
+
+
+class Recipe(_Strict):
+    target: str
+    output_dir: str = "runs/default"
+    seed: int = 0
+    data: Data = Data()
+    regen: Regen = Regen()
+    vocab: Vocab = Vocab()
+    head: Head = Head()
+    features: Features = Features()
+    train: Optim = Optim()
+    log: Log = Log()
+    eval: Eval = Eval()
+
+
+def _range_of(model: type[BaseModel], loc: tuple) -> str:
+    """'allowed: 1..16' style text from the field's declared bounds, walking nested sections."""
+    for i, part in enumerate(loc):
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return ""
+        ann = field.annotation
+        if i + 1 < len(loc) and isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+            continue
+        lo = hi = None
+        for m in field.metadata:
+            lo = getattr(m, "ge", None) if getattr(m, "ge", None) is not None else lo
+            lo = f"> {m.gt}" if getattr(m, "gt", None) is not None else lo
+            hi = getattr(m, "le", None) if getattr(m, "le", None) is not None else hi
+        if lo is None and hi is None:
+            return ""
+        left = lo if isinstance(lo, str) else (f">= {lo}" if lo is not None else "")
+        right = f"<= {hi}" if hi is not None else ""
+        return "allowed: " + " and ".join(x for x in (left, right) if x)
+    return ""
+
+
+def validate(raw: dict[str, Any], where: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = tuple(p for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) == 1)
+            name = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                lines.append(f"{name}: unknown key")
+                continue
+            if err["type"] == "missing":
+                lines.append(f"{name}: required")
+                continue
+            allowed = _range_of(Recipe, loc)
+            got = err.get("input")
+            lines.append(f"{name}={got!r}: {err['msg']}" + (f" ({allowed})" if allowed else ""))
+        raise UserError(f"{where}: " + "; ".join(lines)) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """`train.lr=3e-4` -> raw['train']['lr'] = 3e-4 (value parsed as YAML, so lists and null work)."""
+    if "=" not in item:
+        raise UserError(f"override {item!r}: expected key.sub=value")
+    key, value = item.split("=", 1)
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise UserError(f"override {item!r}: the value is not valid YAML") from None
+    set_key(raw, key.strip(), parsed)
+
+
+def set_key(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override {dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def load(path: str | Path | None, overrides: list[str] = (), **extra: Any) -> Recipe:
+    """Recipe file + dotted overrides + explicit keyword values (e.g. output_dir from a CLI flag)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise UserError(f"recipe {path}: cannot read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"recipe {path}: not valid YAML ({e})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"recipe {path}: expected a mapping at the top level")
+    for item in overrides:
+        apply_override(raw, item)
+    for key, value in extra.items():
+        if value is not None:
+            set_key(raw, key, value)
+    return validate(raw, where=str(path or "recipe"))

@@ -1,0 +1,233 @@
+"""Distill an EAGLE-3 head: run every stage the recipe needs that is not done yet, train, export, evaluate.
+
+    accelerate launch train/train_eagle3.py --recipe recipes/smollm2-135m.yaml [key.sub=value ...]
+        [--output-dir DIR] [--max-samples N] [--max-steps N] [--dry-run]
+
+Stages (each cached under DIR, keyed by its inputs): prompts/data -> regenerate (target answers) ->
+prepare (tokens + loss mask) -> vocab (d2t/t2d) -> [dump features, offline mode] -> train -> export
+(DIR/export) -> eval (DIR/eval.json). Without `accelerate launch` it runs as one process. Data stages run
+on rank 0 while the other ranks wait; training and feature dumps are data-parallel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python train/train_eagle3.py`: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from train import recipe as recipes  # noqa: E402
+from tsengine.errors import UserError  # noqa: E402
+
+
+def _source_splits(r, root: Path) -> tuple[str, str]:
+    """(train, val) row files: the built-in collection, or the user's data with a held-out 5%."""
+    if r.data.source == "builtin":
+        from train.prompts import write_jsonl
+
+        return tuple(str(p) for p in write_jsonl(root / "data" / "prompts"))  # type: ignore[return-value]
+    if r.data.val_source:
+        return r.data.source, r.data.val_source
+    import hashlib
+
+    from train.data import load_rows
+
+    out = root / "data" / "source"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(load_rows(r.data.source))
+    parts = {"train": [], "val": []}
+    for i, row in enumerate(rows):
+        rid = str(row.get("id", i))
+        parts["val" if int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16) % 20 == 0 else "train"].append(row)
+    for name, items in parts.items():
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False, default=str) + "\n" for x in items))
+    return str(out / "train.jsonl"), str(out / "val.jsonl")
+
+
+def _regenerate(r, model, tok, src: str, out: Path, limit: int | None) -> str:
+    from train.data import load_rows
+    from train.regenerate import Regenerator
+
+    settings = {"source": src, **r.regen.model_dump()}
+    side = out.with_suffix(".settings.json")
+    if side.exists() and json.loads(side.read_text()) != settings:
+        out.unlink(missing_ok=True)  # other settings: the answers already written are stale
+    out.parent.mkdir(parents=True, exist_ok=True)
+    side.write_text(json.dumps(settings))
+    rows = _subset(list(load_rows(src)), limit, r.seed)
+    g = r.regen
+    t0 = time.time()
+    skipped = Regenerator(model, tok, g.batch_size, g.max_new_tokens, g.temperature, g.top_p, g.seed).run(rows, out)
+    if skipped.reasons:
+        print(f"regenerate: {skipped.summary(len(rows) - sum(skipped.reasons.values()))}")
+    log = out.with_suffix(".wall.json")
+    prev = json.loads(log.read_text())["wall_s"] if log.exists() else 0.0
+    log.write_text(json.dumps({"wall_s": round(prev + time.time() - t0, 1)}))
+    return str(out)
+
+
+def _subset(rows: list, limit: int | None, seed: int) -> list:
+    """`limit` rows spread over the whole file (seeded), not its first ones: files are often grouped."""
+    if limit is None or limit >= len(rows):
+        return rows
+    import random
+
+    keep = sorted(random.Random(seed).sample(range(len(rows)), limit))
+    return [rows[i] for i in keep]
+
+
+def run(r, dry_run: bool = False) -> dict:
+    import torch
+    from accelerate import PartialState
+
+    from tsengine.eagle3.config import Eagle3Config
+
+    state = PartialState()
+    root = Path(r.output_dir)
+    if dry_run:
+        return dry(r)
+    from tsengine.targets import load_target
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    model, tok = load_target(r.target, dtype=dtype, device=str(state.device))
+    report: dict = {"recipe": r.model_dump(mode="json")}
+    prepared = {}
+    with state.main_process_first():
+        if state.is_main_process:
+            from train.prepare_data import prepare
+            from train.vocab import build_vocab
+
+            train_src, val_src = _source_splits(r, root)
+            limits = {"train": r.data.max_samples, "val": r.data.max_val_samples}
+            for split, src in (("train", train_src), ("val", val_src)):
+                if r.data.regenerate:
+                    src = _regenerate(r, model, tok, src, root / "data" / "regen" / f"{split}.jsonl", limits[split])
+                    limit = None
+                else:
+                    limit = limits[split]
+                prepared[split] = prepare(tok, src, root / "data" / "prepared" / split, r.data.max_length, limit)
+            vocab_dir = build_vocab(tok, prepared["train"], model.config.vocab_size, r.vocab.draft_vocab_size,
+                                    root / "vocab")
+            (root / "vocab" / "current").write_text(str(vocab_dir))
+    from train.prepare_data import load_prepared
+    from train.vocab import load_vocab
+
+    prepared = {s: root / "data" / "prepared" / s for s in ("train", "val")}
+    vocab_dir = Path((root / "vocab" / "current").read_text())
+    data = {s: load_prepared(p) for s, p in prepared.items()}
+    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=r.vocab.draft_vocab_size,
+                                  aux_layer_ids=r.head.aux_layer_ids)
+    from tsengine.eagle3.head import Eagle3Head
+
+    head = Eagle3Head(cfg)
+    head.init_weights(r.seed, std=r.head.init_std)
+    head.set_vocab_map(*load_vocab(vocab_dir))
+    stores = {"train": None, "val": None}
+    if r.features.mode == "offline":
+        from train import dump_features
+        from train.features import FeatureStore
+
+        for s in ("train", "val"):
+            out = root / "features" / s
+            dump_features.run(model, data[s], prepared[s], cfg.aux_layer_ids, out, r.features.dtype,
+                              r.train.batch_tokens, r.features.shard_tokens, state, target_name=r.target)
+            stores[s] = FeatureStore(out)
+        report["feature_bytes_per_token"] = stores["train"].meta["bytes_per_token"]
+    from train.trainer import Trainer
+
+    trainer = Trainer(r, head, model, data["train"], data["val"], stores["train"], stores["val"])
+    resumed = trainer.resume()
+    report["resumed_from_step"] = trainer.state.step if resumed else None
+    report["train"] = trainer.train()
+    if state.is_main_process:
+        report["data"] = {s: json.loads((p / "stage.json").read_text()) for s, p in prepared.items()}
+        report["vocab"] = json.loads((vocab_dir / "stage.json").read_text())
+        for split in ("train", "val"):
+            wall = root / "data" / "regen" / f"{split}.wall.json"
+            if wall.exists():
+                report.setdefault("regen_wall_s", {})[split] = json.loads(wall.read_text())["wall_s"]
+        report["eval"] = _eval(r, model, tok, root)
+        (root / "summary.json").write_text(json.dumps(report, indent=1))
+        print(json.dumps({k: report[k] for k in ("train", "eval") if k in report}, indent=1))
+    state.wait_for_everyone()
+    return report
+
+
+def _eval(r, model, tok, root: Path) -> dict:
+    """τ of the exported head on validation prompts (the split's own prompts, not the regenerated answers)."""
+    from infer.eval import evaluate, prompts_from, table
+    from tsengine.eagle3.format import load_head
+
+    head = load_head(root / "export", target=model.config, embeddings=model.get_input_embeddings().weight,
+                     dtype=next(model.parameters()).dtype)
+    src = root / "data" / "prepared" / "val" / "stage.json"
+    val_rows = json.loads(src.read_text())["source"]
+    shapes = [r.eval.chain] + ([r.eval.tree] if r.eval.tree else [])
+    t0 = time.time()
+    res = evaluate(model.float() if model.device.type == "cpu" else model, tok, head,
+                   prompts_from(val_rows, tok, r.eval.num_prompts), shapes, r.eval.max_new_tokens)
+    print(table(res))
+    (root / "eval.json").write_text(json.dumps(res, indent=1))
+    return {k: {"tau": v["tau"], "tokens": v["tokens"], "verify_steps": v["verify_steps"]} for k, v in res.items()} | {
+        "wall_s": round(time.time() - t0, 1)}
+
+
+def dry(r) -> dict:
+    """Validate a recipe without a GPU or the hub: schema, accelerate/DeepSpeed files, the head's shape."""
+    from tsengine.eagle3.config import Eagle3Config
+
+    info: dict = {"recipe": "ok"}
+    try:
+        from transformers import AutoConfig
+
+        from tsengine.targets import resolve
+
+        tc = AutoConfig.from_pretrained(resolve(r.target))
+        cfg = Eagle3Config.for_target(tc, draft_vocab_size=r.vocab.draft_vocab_size, aux_layer_ids=r.head.aux_layer_ids)
+        n = sum(v for k, v in _param_counts(cfg).items())
+        info["head"] = {"params": n, "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size}
+    except (OSError, ValueError) as e:
+        info["head"] = f"target config not reachable here ({type(e).__name__}); shapes checked at launch"
+    print(json.dumps(info, indent=1))
+    return info
+
+
+def _param_counts(cfg) -> dict[str, int]:
+    from tsengine.eagle3.format import expected_shapes
+
+    out = {}
+    for k, shape in expected_shapes(cfg).items():
+        if k in ("d2t", "t2d", "embed_tokens.weight"):
+            continue
+        n = 1
+        for d in shape:
+            n *= d
+        out[k] = n
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="train_eagle3.py", description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", required=True, help="YAML recipe (recipes/*.yaml)")
+    p.add_argument("--output-dir", help="run directory (overrides output_dir); the head lands in DIR/export")
+    p.add_argument("--max-samples", type=int, help="use at most N training rows (quick runs)")
+    p.add_argument("--max-steps", type=int, help="stop after N optimizer steps")
+    p.add_argument("--dry-run", action="store_true", help="validate the recipe and exit")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
+    args = p.parse_args(argv)
+    try:
+        extra = {"output_dir": args.output_dir, "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}
+        r = recipes.load(args.recipe, args.overrides, **extra)
+        run(r, dry_run=args.dry_run)
+    except UserError as e:
+        print(f"train_eagle3: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
