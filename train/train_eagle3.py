@@ -86,7 +86,7 @@ def run(r, dry_run: bool = False) -> dict:
 
     from tsengine.eagle3.config import Eagle3Config
 
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())
     root = Path(r.output_dir)
     if dry_run:
         return dry(r)
@@ -177,21 +177,41 @@ def _eval(r, model, tok, root: Path) -> dict:
 
 
 def dry(r) -> dict:
-    """Validate a recipe without a GPU or the hub: schema, accelerate/DeepSpeed files, the head's shape."""
+    """Validate a recipe without a GPU or the hub: schema (already), accelerate/DeepSpeed files, and the
+    head's shape for the target (from the hub, or from recipes/targets/<org>--<name>.json offline)."""
+    import yaml
+    from transformers import AutoConfig
+
     from tsengine.eagle3.config import Eagle3Config
+    from tsengine.targets import resolve
 
     info: dict = {"recipe": "ok"}
+    repo = Path(__file__).resolve().parent.parent / "recipes"
+    for f in sorted((repo / "accelerate").glob("*.yaml")):
+        yaml.safe_load(f.read_text())
+    for f in sorted((repo / "deepspeed").glob("*.json")):
+        json.loads(f.read_text())
+    info["launch_configs"] = "ok"
     try:
-        from transformers import AutoConfig
-
-        from tsengine.targets import resolve
-
-        tc = AutoConfig.from_pretrained(resolve(r.target))
-        cfg = Eagle3Config.for_target(tc, draft_vocab_size=r.vocab.draft_vocab_size, aux_layer_ids=r.head.aux_layer_ids)
-        n = sum(v for k, v in _param_counts(cfg).items())
-        info["head"] = {"params": n, "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size}
-    except (OSError, ValueError) as e:
-        info["head"] = f"target config not reachable here ({type(e).__name__}); shapes checked at launch"
+        tc, origin = AutoConfig.from_pretrained(resolve(r.target)), "target"
+    except (OSError, ValueError):
+        snap = repo / "targets" / (r.target.replace("/", "--") + ".json")
+        if not snap.exists():
+            raise UserError(f"target {r.target}: config not reachable and no {snap} snapshot") from None
+        raw = json.loads(snap.read_text())
+        tc, origin = AutoConfig.for_model(raw.pop("model_type"), **raw), f"snapshot {snap.name}"
+    cfg = Eagle3Config.for_target(tc, draft_vocab_size=r.vocab.draft_vocab_size, aux_layer_ids=r.head.aux_layer_ids)
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if bad:
+        raise UserError(f"head.aux_layer_ids {list(cfg.aux_layer_ids)}: {bad} outside 0..{tc.num_hidden_layers - 1}")
+    if r.vocab.draft_vocab_size > tc.vocab_size:
+        raise UserError(f"vocab.draft_vocab_size {r.vocab.draft_vocab_size} exceeds the target vocab {tc.vocab_size}")
+    counts = _param_counts(cfg)
+    info["head"] = {"config_from": origin, "trainable_params": sum(counts.values()),
+                    "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size,
+                    "rope": cfg.rope_parameters.get("rope_type", "default")}
+    bpt = {"float32": 4, "bfloat16": 2, "float16": 2}[r.features.dtype] * 4 * tc.hidden_size + 4
+    info["offline_feature_bytes_per_token"] = bpt
     print(json.dumps(info, indent=1))
     return info
 

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from train.features import Features, FeatureStore, TargetFeatures, lm_head_weight
-from train.loss import step_loss, valid_positions
+from train.loss import step_loss, teacher, valid_positions
 from train.recipe import Recipe
 from train.ttt import unroll
 from tsengine.eagle3.head import Eagle3Head
@@ -77,10 +77,11 @@ class TTTModel(nn.Module):
         head = self.head
         hidden0 = head.project(aux.to(head.fc.weight.dtype))
         outs = unroll(head, self.frozen["embed"], hidden0, input_ids, self.steps)
+        probs, where = teacher(final, self.frozen["rows"], loss_mask, argmax, head.t2d, self.chunk)
         total, stats = 0.0, []
         for k, out in enumerate(outs):
             valid = valid_positions(loss_mask, argmax, head.t2d, k)
-            s = step_loss(head, out, final, valid, self.frozen["rows"], k, self.chunk)
+            s = step_loss(head, out, valid, probs, where, k, self.chunk)
             total = total + (self.decay ** k) * s.loss
             stats.append(torch.stack([s.loss.detach() * s.valid, s.valid, s.correct]))
         return total, torch.stack(stats)  # stats[k] = (loss·n, n, correct)
@@ -172,7 +173,8 @@ class Trainer:
         mp = o.mixed_precision
         if mp == "auto":
             mp = "bf16" if torch.cuda.is_available() else "no"
-        self.acc = Accelerator(mixed_precision=mp, gradient_accumulation_steps=o.grad_accum)
+        self.acc = Accelerator(mixed_precision=mp, gradient_accumulation_steps=o.grad_accum,
+                               cpu=not torch.cuda.is_available())  # else torchrun on CPU runs unsynced copies
         dev = self.acc.device
         self.out = Path(recipe.output_dir)
         self.train_data, self.val_data = train_data, val_data

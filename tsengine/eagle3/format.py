@@ -69,8 +69,11 @@ def save_head(head: Eagle3Head, out_dir: str | Path) -> Path:
 def _atomic(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644 & ~umask)  # mkstemp makes it 0600; a head is read by servers under other users
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
