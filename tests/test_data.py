@@ -76,6 +76,27 @@ def test_repeated_text_masks_the_assistant_copy(tiny_models):
     assert "assistant" in tok.decode(ex.input_ids[:first_masked])
 
 
+def test_reply_that_repeats_template_text_and_trailing_newline(tiny_models):
+    _, tok = tiny_models["llama"]
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "assistant"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "the water\n"}]
+    ex = tokenize(tok, chat)
+    runs = masked_text(tok, ex)
+    assert runs[0] == "assistant<|im_end|>" and runs[1].startswith("the water") and runs[1].endswith("<|im_end|>")
+    assert "<|im_start|>assistant\n" not in "".join(runs)
+
+
+def test_template_that_raises_is_a_counted_skip(tiny_models):
+    _, tok = tiny_models["qwen3"]
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    tok.chat_template = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('roles must alternate') }}{% endif %}{{ m.content }}{% endfor %}")
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "c"}]}]
+    kept, skipped = build(tok, rows)
+    assert not kept and skipped.reasons == {"rejected by the chat template": 1}
+
+
 @pytest.mark.real_model
 def test_smollm2_golden(smollm2):
     _, _, tok = smollm2

@@ -94,21 +94,40 @@ def end_of_turn(tok) -> str:
     return eot
 
 
+def _skeleton(tok, messages: list[dict[str, str]]) -> list[str]:
+    """The template's own text around each message: render with unique markers as contents and cut.
+    Anchoring on these segments (not on searching for the content) makes a reply that repeats text
+    the template writes ("assistant", a role header) impossible to mistake for it."""
+    marks = [f"\u27e6tsengine-{i}\u27e7" for i in range(len(messages))]  # no whitespace: survives | trim
+    sk = render(tok, [{**m, "content": mk} for m, mk in zip(messages, marks)])
+    segs, pos = [], 0
+    for mk in marks:
+        j = sk.find(mk, pos)
+        if j < 0:
+            raise ValueError("template drops a turn's content")
+        segs.append(sk[pos:j])
+        pos = j + len(mk)
+    return segs + [sk[pos:]]
+
+
 def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the [start, end) character spans of every assistant turn."""
     full, eot = render(tok, messages), end_of_turn(tok)
-    spans, cursor = [], 0
-    for m in messages:
-        text = m["content"].strip()
-        start = full.find(text, cursor)
-        if start < 0:
-            raise ValueError("template drops a turn's content")
-        end = cursor = start + len(text)
+    segs = _skeleton(tok, messages)
+    spans, pos = [], 0
+    for seg, m in zip(segs, messages):
+        if not full.startswith(seg, pos):
+            raise ValueError("template rewrites content")
+        pos += len(seg)
+        c = m["content"]
+        text = next((x for x in (c, c.strip(), c.lstrip(), c.rstrip()) if full.startswith(x, pos)), None)
+        if text is None:
+            raise ValueError("template rewrites content")
+        start, pos = pos, pos + len(text)
         if m["role"] == "assistant":
-            rest = full[end:]
-            gap = len(rest) - len(rest.lstrip(" "))
-            if eot and rest[gap:].startswith(eot):
-                end += gap + len(eot)
+            rest = full[pos:]
+            gap = len(rest) - len(rest.lstrip())  # content may end in a newline the template keeps
+            end = pos + gap + len(eot) if eot and rest[gap:].startswith(eot) else pos
             spans.append((start, end))
     return full, spans
 
@@ -117,7 +136,9 @@ def tokenize(tok, messages: list[dict[str, str]], max_length: int | None = None)
     full, spans = assistant_spans(tok, messages)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in offsets]
+    # a token is trained if it overlaps an assistant span (one that straddles the start, " Hello" after
+    # "Assistant:", is what the model emits)
+    mask = [int(b > a and any(max(a, s) < min(b, e) for s, e in spans)) for a, b in offsets]
     if max_length is not None and len(ids) > max_length:
         raise ValueError("over max length")
     if not any(mask):
@@ -126,7 +147,17 @@ def tokenize(tok, messages: list[dict[str, str]], max_length: int | None = None)
 
 
 def load_rows(source: str, split: str = "train") -> Iterable[dict[str, Any]]:
-    """Local .json/.jsonl/.parquet (or a directory of them) through `datasets`; else a hub dataset name."""
+    """Local .json/.jsonl/.parquet (or a directory of them) through `datasets`; else a hub dataset name
+    (`split` picks its split: ultrachat_200k calls it train_sft)."""
+    try:
+        return _load_rows(source, split)
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types for unreadable files, empty files, unknown splits
+        raise UserError(f"data {source}: cannot load ({type(e).__name__}: {e})") from None
+
+
+def _load_rows(source: str, split: str) -> Iterable[dict[str, Any]]:
     import datasets
 
     path = Path(source)
@@ -136,6 +167,8 @@ def load_rows(source: str, split: str = "train") -> Iterable[dict[str, Any]]:
         if not files or path.suffix not in kinds and not path.is_dir():
             raise UserError(f"data {source}: expected .json, .jsonl or .parquet files")
         builder = kinds[files[0].suffix]
+        if all(f.stat().st_size == 0 for f in files):
+            raise UserError(f"data {source}: empty")
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
     if source.count("/") == 1 and not source.startswith((".", "/")):
         return datasets.load_dataset(source, split=split)
@@ -144,10 +177,14 @@ def load_rows(source: str, split: str = "train") -> Iterable[dict[str, Any]]:
 
 def build(tok, rows: Iterable[dict[str, Any]], max_length: int | None = None) -> tuple[list[Example], Skipped]:
     """Tokenize every well-formed row; malformed ones are counted by reason and left out."""
+    from jinja2 import TemplateError
+
     kept, skipped = [], Skipped()
     for row in rows:
         try:
             kept.append(tokenize(tok, normalize(row), max_length))
         except ValueError as e:
             skipped.add(str(e))
+        except TemplateError:  # e.g. raise_exception('roles must alternate') in the model's template
+            skipped.add("rejected by the chat template")
     return kept, skipped

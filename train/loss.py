@@ -73,7 +73,7 @@ def teacher(final: torch.Tensor, target_lm_rows: torch.Tensor, loss_mask: torch.
     where[idx] = torch.arange(idx.numel(), device=final.device)
     x = final.flatten(0, 1).index_select(0, idx).float()
     w = target_lm_rows.float()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast(final.device.type, enabled=False):
         parts = [torch.softmax(x[s:s + chunk] @ w.t(), dim=-1) for s in range(0, idx.numel(), chunk)]
     return (torch.cat(parts) if parts else x.new_zeros(0, w.shape[0])), where
 
@@ -92,11 +92,12 @@ def step_loss(head, out: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor,
     idx = valid.flatten().nonzero().squeeze(1)
     n = idx.numel()
     if n == 0:  # keep the graph connected: DDP expects a gradient for every parameter
-        zero = out.sum() * 0.0 + head.lm_head.weight.sum() * 0.0
+        zero = head.logits(out[:, :1]).sum() * 0.0
         return StepStats(zero, torch.zeros((), device=out.device), torch.zeros((), device=out.device))
     rows = head.norm(out.flatten(0, 1).index_select(0, idx))
     p = probs.index_select(0, where[idx + k + 1])
-    ce_sum, arg = _FusedSoftCE.apply(rows, head.lm_head.weight, p, chunk)
+    with torch.autocast(out.device.type, enabled=False):  # the loss is fp32 even under bf16 autocast
+        ce_sum, arg = _FusedSoftCE.apply(rows, head.lm_head.weight, p, chunk)
     correct = (arg == p.argmax(-1)).sum().float()  # same draft id <=> same target id (d2t is injective)
     return StepStats(ce_sum / n, torch.tensor(float(n), device=out.device), correct)
 

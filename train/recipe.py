@@ -24,6 +24,8 @@ class Data(_Strict):
     # "builtin": the project's own prompt collection (train/prompts); else a local file/dir or hub dataset
     source: str = "builtin"
     val_source: Optional[str] = None  # None: builtin's validation split, or 5% held out of `source`
+    split: str = "train"  # the hub dataset split of `source` (e.g. train_sft for ultrachat_200k)
+    val_split: str = "train"  # the hub dataset split of `val_source`
     max_length: int = Field(1024, ge=16, le=131072)
     max_samples: Optional[int] = Field(None, ge=1)  # train rows used (quick runs)
     max_val_samples: Optional[int] = Field(None, ge=1)

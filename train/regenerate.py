@@ -61,10 +61,21 @@ class Regenerator:
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
 
     @torch.no_grad()
-    def answer(self, histories: list[list[dict[str, str]]], key: str) -> list[tuple[str, bool]]:
-        """One assistant reply per history: (text, finished with an end-of-turn token)."""
-        tok = self.tok
-        texts = [tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
+    def answer(self, histories: list[list[dict[str, str]]], key: str) -> list[tuple[str, bool] | None]:
+        """One assistant reply per history: (text, finished with an end-of-turn token), or None for a
+        history the chat template rejects."""
+        from jinja2 import TemplateError
+
+        tok, texts = self.tok, []
+        for h in histories:
+            try:
+                texts.append(tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True))
+            except TemplateError:
+                texts.append(None)
+        ok = [i for i, t in enumerate(texts) if t is not None]
+        if not ok:
+            return [None] * len(histories)
+        texts = [texts[i] for i in ok]
         side, tok.padding_side = tok.padding_side, "left"
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
         tok.padding_side = side
@@ -76,11 +87,11 @@ class Regenerator:
             eos_token_id=self.eos, **({"temperature": self.temperature, "top_p": self.top_p} if sample else {}),
         )
         new = out[:, enc["input_ids"].shape[1]:].tolist()
-        replies = []
-        for ids in new:
-            stop = next((i for i, t in enumerate(ids) if t in self.eos), None)
+        replies: list[tuple[str, bool] | None] = [None] * len(histories)
+        for i, ids in zip(ok, new):
+            stop = next((j for j, t in enumerate(ids) if t in self.eos), None)
             body = ids if stop is None else ids[:stop]
-            replies.append((tok.decode(body, skip_special_tokens=True).strip(), stop is not None))
+            replies[i] = (tok.decode(body, skip_special_tokens=True).strip(), stop is not None)
         return replies
 
     def run(self, rows: Iterable[dict[str, Any]], out_path: str | Path, progress: bool = True) -> Skipped:
@@ -116,15 +127,19 @@ class Regenerator:
         turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] + ([len(c)] if c[-1]["role"] == "user" else [])
                  for c in convs]
         finished = [True] * len(batch)
-        ok = [True] * len(batch)
+        ok, why = [True] * len(batch), [""] * len(batch)
         for r in range(max(len(t) for t in turns)):
             live = [j for j in range(len(batch)) if r < len(turns[j]) and ok[j]]
             if not live:
                 break
             histories = [convs[j][:turns[j][r]] for j in live]
-            for j, (text, fin) in zip(live, self.answer(histories, batch[live[0]][0] + f"/{r}")):
+            for j, reply in zip(live, self.answer(histories, batch[live[0]][0] + f"/{r}")):
+                if reply is None:
+                    ok[j], why[j] = False, "rejected by the chat template"
+                    continue
+                text, fin = reply
                 if not text:
-                    ok[j] = False
+                    ok[j], why[j] = False, "empty response"
                     continue
                 reply = {"role": "assistant", "content": text}
                 at = turns[j][r]
@@ -133,7 +148,7 @@ class Regenerator:
         records = []
         for j, (rid, _) in enumerate(batch):
             if not ok[j]:
-                skipped.add("empty response")
+                skipped.add(why[j])
                 continue
             records.append({"id": rid, "messages": convs[j], "finished": finished[j]})
         return records

@@ -39,7 +39,10 @@ def digest(*parts: Any) -> str:
 def tokenizer_digest(tok) -> str:
     """What decides token ids and masks: the vocab/merges and the chat template."""
     backend = getattr(tok, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)
+    if backend is not None:  # padding/truncation state changes as the tokenizer is used: not part of its identity
+        body = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
+    else:
+        body = tok.get_vocab()
     return digest(body, getattr(tok, "chat_template", None) or "")
 
 

@@ -24,41 +24,62 @@ from train import recipe as recipes  # noqa: E402
 from tsengine.errors import UserError  # noqa: E402
 
 
-def _source_splits(r, root: Path) -> tuple[str, str]:
-    """(train, val) row files: the built-in collection, or the user's data with a held-out 5%."""
-    if r.data.source == "builtin":
-        from train.prompts import write_jsonl
-
-        return tuple(str(p) for p in write_jsonl(root / "data" / "prompts"))  # type: ignore[return-value]
-    if r.data.val_source:
-        return r.data.source, r.data.val_source
+def _source_splits(r, root: Path) -> tuple[list, list]:
+    """(train, val) rows: the built-in collection, or the user's data with a held-out 5% (at least one
+    row). Every row gets an `id` (its own, else its index in the file), which names it in later stages."""
     import hashlib
 
     from train.data import load_rows
+    from train.regenerate import row_id
 
-    out = root / "data" / "source"
-    out.mkdir(parents=True, exist_ok=True)
-    rows = list(load_rows(r.data.source))
-    parts = {"train": [], "val": []}
-    for i, row in enumerate(rows):
-        rid = str(row.get("id", i))
-        parts["val" if int(hashlib.sha256(rid.encode()).hexdigest()[:8], 16) % 20 == 0 else "train"].append(row)
-    for name, items in parts.items():
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False, default=str) + "\n" for x in items))
-    return str(out / "train.jsonl"), str(out / "val.jsonl")
+    def rows_of(source: str, split: str) -> list:
+        return [{**row, "id": row_id(row, i)} for i, row in enumerate(load_rows(source, split))]
+
+    if r.data.source == "builtin":
+        from train.prompts import write_jsonl
+
+        paths = write_jsonl(root / "data" / "prompts")
+        return rows_of(str(paths[0]), "train"), rows_of(str(paths[1]), "train")
+    rows = rows_of(r.data.source, r.data.split)
+    if r.data.val_source:
+        return rows, rows_of(r.data.val_source, r.data.val_split)
+    pick = [int(hashlib.sha256(x["id"].encode()).hexdigest()[:8], 16) % 20 == 0 for x in rows]
+    if not any(pick) and len(rows) > 1:
+        pick[-1] = True
+    if all(pick):
+        raise UserError(f"data {r.data.source}: {len(rows)} row(s) cannot be split into train and validation; "
+                        "give more rows or data.val_source")
+    return [x for x, p in zip(rows, pick) if not p], [x for x, p in zip(rows, pick) if p]
 
 
-def _regenerate(r, model, tok, src: str, out: Path, limit: int | None) -> str:
-    from train.data import load_rows
+def _used(r, model, tok, rows: list, split: str, root: Path, limit: int | None) -> Path:
+    """The rows this run trains on (a seeded subset when limited), with regenerated answers if asked,
+    written to data/used/<split>.jsonl: the input of the prepare stage."""
+    rows = _subset(rows, limit, r.seed)
+    if r.data.regenerate:
+        out = root / "data" / "regen" / f"{split}.jsonl"
+        _regenerate(r, model, tok, rows, out)
+        want = {x["id"] for x in rows}
+        rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["id"] in want]
+    used = root / "data" / "used" / f"{split}.jsonl"
+    used.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(x, ensure_ascii=False, default=str) + "\n" for x in rows)
+    if not used.exists() or used.read_text() != text:  # same bytes keep the prepared data's cache key
+        used.write_text(text)
+    return used
+
+
+def _regenerate(r, model, tok, rows: list, out: Path) -> None:
+    """Answers are cached by row id across runs: a larger max_samples only adds rows; other
+    regeneration settings (or another source) start over."""
     from train.regenerate import Regenerator
 
-    settings = {"source": src, **r.regen.model_dump()}
+    settings = {"source": r.data.source, **r.regen.model_dump()}
     side = out.with_suffix(".settings.json")
     if side.exists() and json.loads(side.read_text()) != settings:
-        out.unlink(missing_ok=True)  # other settings: the answers already written are stale
+        out.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     side.write_text(json.dumps(settings))
-    rows = _subset(list(load_rows(src)), limit, r.seed)
     g = r.regen
     t0 = time.time()
     skipped = Regenerator(model, tok, g.batch_size, g.max_new_tokens, g.temperature, g.top_p, g.seed).run(rows, out)
@@ -67,7 +88,6 @@ def _regenerate(r, model, tok, src: str, out: Path, limit: int | None) -> str:
     log = out.with_suffix(".wall.json")
     prev = json.loads(log.read_text())["wall_s"] if log.exists() else 0.0
     log.write_text(json.dumps({"wall_s": round(prev + time.time() - t0, 1)}))
-    return str(out)
 
 
 def _subset(rows: list, limit: int | None, seed: int) -> list:
@@ -86,7 +106,11 @@ def run(r, dry_run: bool = False) -> dict:
 
     from tsengine.eagle3.config import Eagle3Config
 
-    state = PartialState(cpu=not torch.cuda.is_available())
+    from datetime import timedelta
+
+    # Data stages and the final eval run on rank 0 while the others wait at a barrier: a long collective
+    # timeout, or NCCL's 10-minute watchdog kills the waiting ranks during regeneration.
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timedelta(hours=24))
     root = Path(r.output_dir)
     if dry_run:
         return dry(r)
@@ -101,15 +125,11 @@ def run(r, dry_run: bool = False) -> dict:
             from train.prepare_data import prepare
             from train.vocab import build_vocab
 
-            train_src, val_src = _source_splits(r, root)
+            splits = dict(zip(("train", "val"), _source_splits(r, root)))
             limits = {"train": r.data.max_samples, "val": r.data.max_val_samples}
-            for split, src in (("train", train_src), ("val", val_src)):
-                if r.data.regenerate:
-                    src = _regenerate(r, model, tok, src, root / "data" / "regen" / f"{split}.jsonl", limits[split])
-                    limit = None
-                else:
-                    limit = limits[split]
-                prepared[split] = prepare(tok, src, root / "data" / "prepared" / split, r.data.max_length, limit)
+            for split, rows in splits.items():
+                used = _used(r, model, tok, rows, split, root, limits[split])
+                prepared[split] = prepare(tok, used, root / "data" / "prepared" / split, r.data.max_length)
             vocab_dir = build_vocab(tok, prepared["train"], model.config.vocab_size, r.vocab.draft_vocab_size,
                                     root / "vocab")
             (root / "vocab" / "current").write_text(str(vocab_dir))

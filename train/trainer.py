@@ -95,6 +95,7 @@ class State:
     best: float = -1.0
     tokens: int = 0  # trained-on tokens seen (all ranks)
     wall: float = 0.0  # training seconds before this process
+    recipe_key: str = ""  # what the run was started with; resuming under another recipe is refused
 
 
 def summarize(stats: torch.Tensor) -> dict[str, float]:
@@ -142,6 +143,7 @@ def save_checkpoint(accelerator, model: TTTModel, state: State, out_root: Path, 
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()  # every rank's RNG state is on disk before the marker says complete
     head = accelerator.unwrap_model(model).head
     if accelerator.is_main_process:
         save_file({k: v.detach().cpu().contiguous() for k, v in head.exported_state_dict().items()},
@@ -167,7 +169,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, head: Eagle3Head, target, train_data, val_data=None,
                  train_features: FeatureStore | None = None, val_features: FeatureStore | None = None):
         from accelerate import Accelerator
-        from transformers import get_cosine_schedule_with_warmup
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         self.r, o = recipe, recipe.train
         mp = o.mixed_precision
@@ -189,15 +191,27 @@ class Trainer:
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.lengths = [len(x) for x in train_data["input_ids"]]
         per_epoch = len(plan_batches(self.lengths, o.batch_tokens, recipe.seed, 0, self.acc.num_processes)[0])
-        self.steps_per_epoch = max(1, per_epoch // o.grad_accum)
+        if per_epoch < o.grad_accum:
+            from tsengine.errors import UserError
+
+            raise UserError(f"each of {self.acc.num_processes} process(es) gets {per_epoch} micro-batches per epoch, "
+                            f"fewer than train.grad_accum={o.grad_accum}: use more data, smaller "
+                            "train.batch_tokens or a smaller grad_accum")
+        self.steps_per_epoch = per_epoch // o.grad_accum
         total = self.steps_per_epoch * o.epochs
         self.total_steps = min(total, o.max_steps) if o.max_steps else total
         # The scheduler is stepped by us once per optimizer step (not prepared: accelerate would step it
         # once per process) and registered so checkpoints carry it.
-        self.sched = get_cosine_schedule_with_warmup(opt, math.ceil(o.warmup_ratio * self.total_steps), self.total_steps)
+        self.sched = get_cosine_with_min_lr_schedule_with_warmup(
+            opt, math.ceil(o.warmup_ratio * self.total_steps), self.total_steps, min_lr_rate=o.min_lr_ratio)
         self.model, self.opt = self.acc.prepare(model, opt)
+        self.acc.unwrap_model(self.model).head.reset_rope()  # DeepSpeed bf16 casts buffers; RoPE stays fp32
         self.acc.register_for_checkpointing(self.sched)
-        self.state = State()
+        from train.stages import digest
+
+        self.state = State(recipe_key=digest(recipe.train.model_dump(mode="json", exclude={
+            "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"}), recipe.seed, len(self.lengths),
+                                             sum(self.lengths), self.acc.num_processes))
         self.ckpt_root = self.out / "checkpoints"
         self.metrics = self.out / "metrics.jsonl"
         self.wandb = None
@@ -209,18 +223,24 @@ class Trainer:
         f = store.batch(examples, ids.shape[1], self.target.dtype)
         return Features(f.aux.to(ids.device), f.final.to(ids.device), f.argmax.to(ids.device))
 
-    def _forward(self, data, store, examples):
+    def _forward(self, data, store, examples, model=None):
         ids, att, mask = collate(data, examples, self.acc.device)
         f = self._features(store, examples, ids, att)
-        return self.model(ids, mask, f.aux, f.final, f.argmax), int(mask.sum())
+        return (model or self.model)(ids, mask, f.aux, f.final, f.argmax), int(mask.sum())
 
     # ---- loop ---------------------------------------------------------------------------------------
     def resume(self) -> bool:
         ckpt = latest_checkpoint(self.ckpt_root)
         if ckpt is None:
             return False
+        saved = State(**json.loads((ckpt / "trainer_state.json").read_text()))
+        if saved.recipe_key != self.state.recipe_key:
+            from tsengine.errors import UserError
+
+            raise UserError(f"{ckpt} was written under other training settings (train.*, seed, data, processes); resume "
+                            f"needs the same recipe: use another --output-dir or remove {self.ckpt_root}")
         self.acc.load_state(str(ckpt))
-        self.state = State(**json.loads((ckpt / "trainer_state.json").read_text()))
+        self.state = saved
         if self.acc.is_main_process and self.metrics.exists():  # drop lines logged after that checkpoint
             keep = [x for x in self.metrics.read_text().splitlines() if json.loads(x)["step"] <= self.state.step]
             self.metrics.write_text("".join(k + "\n" for k in keep))
@@ -251,11 +271,15 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         if self.val_data is None:
             return {}
-        self.model.eval()
+        # The unwrapped module: a rank may get no validation batch, and a DDP forward would start a
+        # buffer broadcast the other ranks never join.
+        model = self.acc.unwrap_model(self.model)
+        model.eval()
         lengths = [len(x) for x in self.val_data["input_ids"]]
         total = None
         for examples in plan_batches(lengths, self.r.train.batch_tokens, 0, 0, 1)[0][self.acc.process_index::self.acc.num_processes]:
-            (_, stats), _ = self._forward(self.val_data, self.val_features, examples)
+            with self.acc.autocast():
+                (_, stats), _ = self._forward(self.val_data, self.val_features, examples, model)
             total = stats if total is None else total + stats
         if total is None:
             total = torch.zeros(self.r.train.ttt_steps, 3, device=self.acc.device)
@@ -276,7 +300,7 @@ class Trainer:
         while st.step < self.total_steps:
             plan = plan_batches(self.lengths, o.batch_tokens, self.r.seed, st.epoch, self.acc.num_processes)
             mine = plan[self.acc.process_index]
-            usable = self.steps_per_epoch * o.grad_accum
+            usable = min(self.steps_per_epoch * o.grad_accum, len(mine))
             while st.batch < usable and st.step < self.total_steps:
                 with self.acc.accumulate(self.model):
                     (loss, stats), n_tok = self._forward(self.train_data, self.train_features, mine[st.batch])

@@ -121,8 +121,12 @@ class Eagle3Head(nn.Module):
     def place(self, device: str | torch.device, dtype: torch.dtype) -> "Eagle3Head":
         """Move weights to `device`/`dtype`, keeping RoPE frequencies in fp32 (a bf16 inv_freq drifts)."""
         self.to(device=device, dtype=dtype)
-        self.rotary = LlamaRotaryEmbedding(_llama_config(self.config)).to(device)
+        self.reset_rope()
         return self
+
+    def reset_rope(self) -> None:
+        """Rebuild the RoPE frequencies in fp32 on the weights' device (a cast to bf16 shifts positions)."""
+        self.rotary = LlamaRotaryEmbedding(_llama_config(self.config)).to(self.fc.weight.device)
 
     # ---- weights ------------------------------------------------------------------------------
     def bind_embeddings(self, weight: torch.Tensor) -> None:
