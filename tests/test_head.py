@@ -124,3 +124,14 @@ def test_rope_follows_the_target_config(name):
     assert head.rotary.inv_freq.dtype == torch.float32
     out, logits, _ = head(torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32, dtype=torch.bfloat16), torch.arange(3)[None])
     assert logits.shape == (1, 3, 50) and logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def test_init_from_target_copies_the_read_out_of_draft_ids(tiny_models):
+    from tests.conftest import random_head
+
+    model, _ = tiny_models["qwen3"]
+    head = random_head(model, seed=4, draft_vocab_size=50, counts=torch.rand(model.config.vocab_size))
+    head.init_from_target(model)
+    ids = torch.arange(50) + head.d2t
+    assert torch.equal(head.lm_head.weight, model.get_output_embeddings().weight[ids])
+    assert torch.equal(head.norm.weight, model.model.norm.weight)

@@ -25,7 +25,7 @@ def test_demo_sized_recipe_learns_and_exports_a_lossless_head(smollm2, tmp_path)
     train = [r for r in rows if r["split"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] * 0.8
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["eval"]["3,1,4"]["tau"] > 1.2  # even a demo-sized head accepts some drafts
+    assert summary["eval"]["3,1,4"]["tau"] > 1.0  # a random head accepts nothing (tau exactly 1.00); this one does
     _, model, tok = smollm2
     head = load_head(tmp_path / "export", target=model.config, embeddings=model.get_input_embeddings().weight)
     prompt = encode_prompt(tok, "Give me three tips for writing clear emails.")

@@ -112,6 +112,34 @@ def test_vocab_counts_assistant_tokens_and_keys_on_inputs(tiny_models, tmp_path)
     assert set((torch.arange(64) + d2t).tolist()) == top and int(t2d.sum()) == 64
 
 
+def test_tokenizer_digest_ignores_padding_state(tiny_models):
+    from train.stages import tokenizer_digest
+
+    _, tok = tiny_models["llama"]
+    tok = type(tok).from_pretrained(tok.name_or_path)
+    before = tokenizer_digest(tok)
+    tok.padding_side = "left"
+    tok(["the water", "one"], padding=True)  # regeneration does this; the prepared data must not go stale
+    assert tokenizer_digest(tok) == before
+    tok.chat_template = "{{ messages[0].content }}"
+    assert tokenizer_digest(tok) != before
+
+
+def test_small_user_data_still_gets_a_validation_row(tmp_path):
+    from train.train_eagle3 import _source_splits
+
+    src = write_rows(tmp_path / "three.jsonl", 3, 9, with_answers=True)
+    r = recipes.load(None, ["target=x", f"data.source={src}"])
+    train, val = _source_splits(r, tmp_path)
+    assert len(val) >= 1 and len(train) + len(val) == 3 and not {x["id"] for x in train} & {x["id"] for x in val}
+    one = write_rows(tmp_path / "one.jsonl", 1, 9, with_answers=True)
+    with pytest.raises(UserError, match="cannot be split"):
+        _source_splits(recipes.load(None, ["target=x", f"data.source={one}"]), tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(UserError, match="empty"):
+        _source_splits(recipes.load(None, ["target=x", f"data.source={tmp_path / 'empty.jsonl'}"]), tmp_path)
+
+
 # ---- offline features ---------------------------------------------------------------------------
 def test_dump_two_ranks_resume_and_checksum(tiny_models, tmp_path):
     model, tok = tiny_models["qwen3"]

@@ -93,4 +93,20 @@ def test_invalid_positions_do_not_count(setup):
     assert not valid[:, -2:].any()  # nothing to predict past the end
     probs, where = teacher(final, rows, mask, argmax, head.t2d, chunk=4)
     none = step_loss(head, out, torch.zeros_like(valid), probs, where, 0, chunk=4)
-    assert float(none.valid) == 0 and float(none.loss) == 0.0
+    assert float(none.valid) == 0 and float(none.loss.detach()) == 0.0
+
+
+def test_fc_scaling_tames_massive_channels_only():
+    from train.fc_init import sample_aux, scale_fc_columns
+
+    torch.manual_seed(5)
+    aux = torch.randn(300, 12)
+    aux[:, 3] *= 40.0  # a "massive activation" channel
+    seqs = [torch.cat([torch.full((1, 12), 1e4), aux[i * 100:(i + 1) * 100]]) for i in range(3)]
+    sample = sample_aux(lambda i: seqs[i], [101] * 3, tokens=250)
+    assert sample.shape == (250, 12) and sample.abs().max() < 1e3  # first tokens (sinks) are skipped
+    w = torch.ones(4, 12)
+    scale = scale_fc_columns(w, sample)
+    assert scale[3] < 0.05 and torch.all(scale[[0, 1, 2, 4, 5]] > 0.5) and torch.all(scale <= 1)
+    contrib = (sample * w[0]).abs().mean(0)
+    assert contrib[3] < 2 * contrib.median()  # no channel starts louder than ~the median one

@@ -47,6 +47,8 @@ class Vocab(_Strict):
 class Head(_Strict):
     aux_layer_ids: Optional[tuple[int, int, int]] = None  # None: EAGLE-3's low/mid/high default
     init_std: float = Field(0.02, gt=0.0, le=1.0)
+    fc_init: Literal["scaled", "random"] = "scaled"  # scaled: no target channel starts louder than the median
+    lm_head_from_target: bool = False  # lm_head/norm start as the target's read-out (measured: no gain here)
 
 
 class Features(_Strict):

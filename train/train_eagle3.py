@@ -46,7 +46,7 @@ def _source_splits(r, root: Path) -> tuple[list, list]:
     pick = [int(hashlib.sha256(x["id"].encode()).hexdigest()[:8], 16) % 20 == 0 for x in rows]
     if not any(pick) and len(rows) > 1:
         pick[-1] = True
-    if all(pick):
+    if len(rows) < 2 or all(pick):
         raise UserError(f"data {r.data.source}: {len(rows)} row(s) cannot be split into train and validation; "
                         "give more rows or data.val_source")
     return [x for x, p in zip(rows, pick) if not p], [x for x, p in zip(rows, pick) if p]
@@ -146,6 +146,8 @@ def run(r, dry_run: bool = False) -> dict:
     head = Eagle3Head(cfg)
     head.init_weights(r.seed, std=r.head.init_std)
     head.set_vocab_map(*load_vocab(vocab_dir))
+    if r.head.lm_head_from_target:
+        head.init_from_target(model)
     stores = {"train": None, "val": None}
     if r.features.mode == "offline":
         from train import dump_features
@@ -157,6 +159,8 @@ def run(r, dry_run: bool = False) -> dict:
                               r.train.batch_tokens, r.features.shard_tokens, state, target_name=r.target)
             stores[s] = FeatureStore(out)
         report["feature_bytes_per_token"] = stores["train"].meta["bytes_per_token"]
+    if r.head.fc_init == "scaled":
+        _scale_fc(head, model, data["train"], stores["train"])
     from train.trainer import Trainer
 
     trainer = Trainer(r, head, model, data["train"], data["val"], stores["train"], stores["val"])
@@ -194,6 +198,24 @@ def _eval(r, model, tok, root: Path) -> dict:
     (root / "eval.json").write_text(json.dumps(res, indent=1))
     return {k: {"tau": v["tau"], "tokens": v["tokens"], "verify_steps": v["verify_steps"]} for k, v in res.items()} | {
         "wall_s": round(time.time() - t0, 1)}
+
+
+def _scale_fc(head, model, data, store) -> None:
+    """fc columns scaled from a sample of target features (train/fc_init.py); same on every rank."""
+    import torch
+
+    from train.fc_init import sample_aux, scale_fc_columns
+    from train.features import TargetFeatures
+
+    feats = TargetFeatures(model, head.config.aux_layer_ids)
+
+    def aux_of(i: int):
+        if store is not None:
+            return store.get(i)[0]
+        ids = torch.tensor([data[i]["input_ids"]], device=next(model.parameters()).device)
+        return feats(ids, torch.ones_like(ids)).aux[0].cpu()
+
+    scale_fc_columns(head.fc.weight, sample_aux(aux_of, [len(x) for x in data["input_ids"]]))
 
 
 def dry(r) -> dict:

@@ -121,11 +121,13 @@ def plot_acc(metrics_path: Path, out_png: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, split in zip(axes, ("train", "val")):
         pts = [r for r in rows if r.get("split") == split]
-        k = 0
+        k, win = 0, 20 if split == "train" else 1  # per-step training batches are small: smooth them
         while pts and f"acc_{k}" in pts[0]:
-            ax.plot([r["step"] for r in pts], [r[f"acc_{k}"] for r in pts], label=f"acc_{k}")
+            ys = [r[f"acc_{k}"] for r in pts]
+            ys = [sum(ys[max(0, i - win + 1):i + 1]) / len(ys[max(0, i - win + 1):i + 1]) for i in range(len(ys))]
+            ax.plot([r["step"] for r in pts], ys, label=f"acc_{k}")
             k += 1
-        ax.set_title(f"{split}: draft top-1 accuracy per TTT step")
+        ax.set_title(f"{split}: draft top-1 accuracy per TTT step" + (f" ({win}-step mean)" if win > 1 else ""))
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
         if k:

@@ -148,6 +148,19 @@ class Eagle3Head(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
+    @torch.no_grad()
+    def init_from_target(self, target) -> None:
+        """Start the output side from the target: lm_head = the target lm_head's rows of the draft ids,
+        final norm = the target's final norm. The draft's job is to reproduce the target's next hidden
+        state, so the target's own read-out is the right prior; from random rows, tokens rare in the
+        training data would keep noise logits (call after `set_vocab_map`)."""
+        rows = target.get_output_embeddings().weight
+        ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self.lm_head.weight.copy_(rows[ids.to(rows.device)].to(self.lm_head.weight))
+        norm = getattr(getattr(target, "model", None), "norm", None)
+        if norm is not None and tuple(norm.weight.shape) == tuple(self.norm.weight.shape):
+            self.norm.weight.copy_(norm.weight.to(self.norm.weight))
+
     def exported_state_dict(self) -> dict[str, torch.Tensor]:
         """Exactly the keys of the interchange format: no embeddings, no rotary caches."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens")}
