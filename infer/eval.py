@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from tsengine.errors import UserError
+from tsengine.errors import UserError, run_main
 
 
 def prompts_from(path: str, tok, limit: int | None) -> list[tuple[str, list[int]]]:
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--json", help="write the full results here")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         from infer.reference import SpecShape
         from tsengine.eagle3.format import load_head
         from tsengine.targets import load_target
@@ -115,10 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results))
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
-    except UserError as e:
-        print(f"eval: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("eval", body)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from train.features import INDEX, TargetFeatures, sha256_file
 from train.stages import MARKER, digest, is_done, read_marker
-from tsengine.errors import UserError
+from tsengine.errors import UserError, run_main
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--shard-tokens", type=int, default=262144)
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         from accelerate import PartialState
 
         from train.prepare_data import load_prepared
@@ -162,10 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                else default_aux_layer_ids(model.config.num_hidden_layers))
         run(model, load_prepared(args.data), Path(args.data), ids, Path(args.out), args.dtype, args.batch_tokens,
             args.shard_tokens, state, target_name=args.target)
-    except UserError as e:
-        print(f"dump_features: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("dump_features", body)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
-
 from tsengine.eagle3.config import Eagle3Config
-from tsengine.eagle3.format import load_head, save_head, validate
+from tsengine.eagle3.format import load_head, read_tensors, save_head, validate
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.errors import UserError
 
@@ -27,10 +25,12 @@ def find_checkpoint(path: str | Path) -> Path:
     if not p.is_dir():
         raise UserError(f"checkpoint {path}: no such directory")
     if (p / "checkpoints").is_dir():
-        done = sorted(c for c in (p / "checkpoints").glob("step-*") if (c / "COMPLETE").exists())
-        if not done:
+        from train.trainer import latest_checkpoint
+
+        latest = latest_checkpoint(p / "checkpoints")
+        if latest is None:
             raise UserError(f"checkpoint {path}: the run has no complete checkpoint under checkpoints/")
-        return done[-1]
+        return latest
     return p
 
 
@@ -47,11 +47,7 @@ def export_checkpoint(path: str | Path, out: str | Path, target=None, dtype: str
         raise UserError(f"{ckpt / 'head_config.json'} is not valid JSON ({e})") from None
     cfg = Eagle3Config.from_hf_dict(raw, where=str(ckpt / "head_config.json"),
                                     target_num_layers=getattr(target, "num_hidden_layers", None))
-    try:
-        with safe_open(str(ckpt / "head.safetensors"), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{ckpt / 'head.safetensors'} is not a readable safetensors file ({e})") from None
+    tensors = read_tensors(ckpt, "head.safetensors")
     problems = validate(cfg, tensors, target, where=str(ckpt))
     if problems:
         raise UserError("the checkpoint does not hold an exportable head:\n" + "\n".join(f"  - {p}" for p in problems))

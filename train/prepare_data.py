@@ -14,7 +14,7 @@ from pathlib import Path
 
 from train.data import build, load_rows
 from train.stages import StageDir, digest, is_done, tokenizer_digest
-from tsengine.errors import UserError
+from tsengine.errors import UserError, run_main
 
 
 def prepare(tok, source: str | Path, out: str | Path, max_length: int, max_samples: int | None = None,
@@ -62,17 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--max-samples", type=int)
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         from transformers import AutoTokenizer
 
         from tsengine.targets import resolve
 
         tok = AutoTokenizer.from_pretrained(resolve(args.target))
         prepare(tok, args.data, args.out, args.max_length, args.max_samples)
-    except UserError as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("prepare_data", body)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from train.data import Skipped, load_rows, normalize
-from tsengine.errors import UserError
+from tsengine.errors import UserError, run_main
 
 
 def row_id(row: dict[str, Any], index: int) -> str:
@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-samples", type=int)
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         if args.batch_size < 1 or args.max_new_tokens < 1:
             raise UserError("--batch-size and --max-new-tokens must be >= 1")
         if args.temperature < 0 or not 0 < args.top_p <= 1:
@@ -178,10 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         skipped = Regenerator(model, tok, args.batch_size, args.max_new_tokens, args.temperature, args.top_p,
                               args.seed).run(rows, args.out)
         print(f"regenerate: {skipped.summary(len(read_done(Path(args.out))))} -> {args.out}")
-    except UserError as e:
-        print(f"regenerate: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("regenerate", body)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # `python train/train_eagle3.py`: make the repo i
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from train import recipe as recipes  # noqa: E402
-from tsengine.errors import UserError  # noqa: E402
+from tsengine.errors import UserError, run_main  # noqa: E402
 
 
 def _source_splits(r, root: Path) -> tuple[list, list]:
@@ -281,14 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="validate the recipe and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         extra = {"output_dir": args.output_dir, "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}
         r = recipes.load(args.recipe, args.overrides, **extra)
         run(r, dry_run=args.dry_run)
-    except UserError as e:
-        print(f"train_eagle3: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("train_eagle3", body)
 
 
 if __name__ == "__main__":

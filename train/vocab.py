@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from train.stages import StageDir, digest, is_done, read_marker, tokenizer_digest
 from tsengine.eagle3.vocab import vocab_map
-from tsengine.errors import UserError
+from tsengine.errors import UserError, run_main
 
 
 def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--out", required=True, help="cache root; the mapping lands in OUT/<key>/")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         from tsengine.targets import resolve
@@ -74,10 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve(args.target)
         tok, cfg = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
         build_vocab(tok, Path(args.data), cfg.vocab_size, args.draft_vocab_size, Path(args.out))
-    except UserError as e:
-        print(f"vocab: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("vocab", body)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tsengine.errors import UserError
+from tsengine.errors import UserError, run_main
 
 
 def _pull(args) -> None:
@@ -104,12 +104,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
+
+    def body() -> None:
         args.run(args)
-    except UserError as e:
-        print(f"tsengine: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_main("tsengine", body)
 
 
 if __name__ == "__main__":

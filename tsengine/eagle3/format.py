@@ -95,8 +95,9 @@ def read_config(head_dir: str | Path, target_num_layers: int | None = None) -> E
     return Eagle3Config.from_hf_dict(raw, where=str(path), target_num_layers=target_num_layers)
 
 
-def read_tensors(head_dir: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(head_dir) / WEIGHTS
+def read_tensors(head_dir: str | Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
+    """All tensors of `head_dir/name` (a training checkpoint keeps its head as head.safetensors)."""
+    path = Path(head_dir) / name
     if not path.exists():
         raise UserError(f"{path} is missing: a head directory needs {CONFIG} and {WEIGHTS}")
     try:
