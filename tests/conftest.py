@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernels run interpreted here
+
 import pytest
 import torch
 

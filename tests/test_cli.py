@@ -64,3 +64,37 @@ def test_user_mistakes_exit_nonzero_without_traceback(tiny_dirs, args, needle, t
     assert r.returncode == 2
     assert needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
+    target = str(tiny_dirs["llama"])
+    head = tmp_path / "head"
+    assert run("-m", "tsengine.cli", "head", "init", "--target", target, "--out", str(head),
+               "--draft-vocab-size", "128").returncode == 0
+    common = ["-m", "tsengine.cli", "generate", "--model", target, "--prompt", "the water", "--max-tokens", "12",
+              "--ignore-eos"]
+    plain = run(*common)
+    spec = run(*common, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+               "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    assert plain.stdout == spec.stdout and plain.stdout.strip()
+    assert "tau" in spec.stderr and "tok/s" in plain.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "5"], "speculative_num_steps + 1 = 4"),
+    (["--speculative-num-steps", "11"], "allowed: 1..10"),
+    (["--speculative-config", '{"method": "eagle3", "model": "h", "num_speculative_tokens": 2}',
+      "--speculative-num-steps", "3"], "conflicts"),
+    (["--speculative-config", "{nope"], "not valid JSON"),
+    (["--block-size", "0"], "allowed: 1..256"),
+])
+def test_engine_flag_mistakes(tiny_dirs, tmp_path, args, needle):
+    head = tmp_path / "head"
+    run("-m", "tsengine.cli", "head", "init", "--target", str(tiny_dirs["llama"]), "--out", str(head),
+        "--draft-vocab-size", "128")
+    spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)] \
+        if "--speculative-config" not in args else []
+    r = run("-m", "tsengine.cli", "generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x", *spec, *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

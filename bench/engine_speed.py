@@ -1,0 +1,146 @@
+"""Engine decode speed at batch 1 vs HF `generate`, and EAGLE-3 chain speculation vs our own plain decode.
+
+All rows run in one process, side by side, on the same prompts (the built-in validation prompts, evenly
+spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decodes the same count):
+
+    python bench/engine_speed.py --draft DIR [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
+
+Reports tokens/s per row (median over repeats of the whole prompt set), ratios, τ (tokens per verify
+step) and the engine's per-step time split (target forward+sampling / commit / draft). Speculative rows
+are checked token for token against the plain rows (a mismatch is printed, never hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def _val_file() -> str:
+    from train.prompts import write_jsonl
+
+    return str(write_jsonl(tempfile.mkdtemp(), 0.05)[1])
+
+
+def val_prompts(tok, n: int) -> list[list[int]]:
+    """n built-in validation prompts (never trained on), evenly spaced by id, chat-templated."""
+    from infer.eval import prompts_from
+
+    return [ids for _, ids in prompts_from(_val_file(), tok, n)]
+
+
+def val_prompts_text(n: int) -> list[str]:
+    import json
+
+    rows = sorted((json.loads(line) for line in open(_val_file(), encoding="utf-8")), key=lambda r: str(r["id"]))
+    step = max(1, len(rows) // n)
+    return [r["messages"][0]["content"] if "messages" in r else r["conversations"][0]["value"] for r in rows[::step][:n]]
+
+
+def hf_row(path, prompts, n) -> tuple[float, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs, t0 = [], time.perf_counter()
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+            outs.append(g[0, len(p):].tolist())
+    return len(prompts) * n / (time.perf_counter() - t0), outs
+
+
+def engine_row(llm, prompts, n):
+    from tsengine.sampling import SamplingParams
+
+    e = llm.engine
+    st = e.stats
+    before = (st.time_forward, st.time_commit, st.time_draft, st.steps, st.num_drafts, st.num_accepted)
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]  # batch 1: one request at a time
+    dt = time.perf_counter() - t0
+    d = [a - b for a, b in zip((st.time_forward, st.time_commit, st.time_draft, st.steps, st.num_drafts,
+                                st.num_accepted), before)]
+    split = {"forward": d[0] / dt, "commit": d[1] / dt, "draft": d[2] / dt}
+    tau = (d[5] + d[4]) / d[4] if d[4] else None
+    return len(prompts) * n / dt, outs, split, tau, d[3]
+
+
+def main() -> None:
+    from tsengine.llm import LLM
+    from tsengine.targets import resolve
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", help="trained EAGLE-3 head directory")
+    ap.add_argument("--random-head", action="store_true", help="also time an untrained head (speculating for nothing)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    path = resolve(args.target)
+    plain = LLM(path, max_num_seqs=1)
+    prompts = val_prompts(plain.tokenizer, args.prompts)
+    rows = {"plain": plain}
+    if args.draft:
+        rows["eagle3"] = LLM(path, max_num_seqs=1, speculative_config={
+            "method": "eagle3", "model": args.draft, "num_speculative_tokens": args.steps})
+    if args.random_head:
+        from tsengine.eagle3.config import Eagle3Config
+        from tsengine.eagle3.format import save_head
+        from tsengine.eagle3.head import Eagle3Head
+        from tsengine.eagle3.vocab import vocab_map
+        from transformers import AutoConfig
+
+        cfg = Eagle3Config.for_target(AutoConfig.from_pretrained(path), draft_vocab_size=4096)
+        head = Eagle3Head(cfg)
+        head.init_weights(0)
+        head.set_vocab_map(*vocab_map(cfg.vocab_size, cfg.draft_vocab_size, None))
+        rows["eagle3-random"] = LLM(path, max_num_seqs=1, speculative_config={
+            "method": "eagle3", "model": str(save_head(head, tempfile.mkdtemp())), "num_speculative_tokens": args.steps})
+    for llm in rows.values():  # warm-up: first calls allocate and pick kernels
+        engine_row(llm, prompts[:1], 8)
+    results: dict[str, list] = {k: [] for k in ["hf", *rows]}
+    info = {}
+    for r in range(args.repeats):
+        if not args.no_hf:
+            tps, hf_out = hf_row(path, prompts, args.max_tokens)
+            results["hf"].append(tps)
+        for name, llm in rows.items():
+            tps, outs, split, tau, steps = engine_row(llm, prompts, args.max_tokens)
+            results[name].append(tps)
+            info[name] = (outs, split, tau, steps)
+        print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items() if v), flush=True)
+    med = {k: statistics.median(v) for k, v in results.items() if v}
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} new tokens, batch 1, greedy, "
+          f"median of {args.repeats} (tok/s); torch threads {torch.get_num_threads()}")
+    print("| row | tok/s | vs HF | vs plain | τ | time split forward / commit / draft |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for k, v in med.items():
+        vs_hf = f"{v / med['hf']:.2f}x" if "hf" in med else "-"
+        tau, split = (f"{info[k][2]:.2f}" if k in info and info[k][2] else "-"), "-"
+        if k in info:
+            s = info[k][1]
+            split = f"{s['forward']:.0%} / {s['commit']:.0%} / {s['draft']:.0%}"
+        print(f"| {k} | {v:.1f} | {vs_hf} | {v / med['plain']:.2f}x | {tau} | {split} |")
+    base = info["plain"][0]
+    for k in rows:
+        if k != "plain":
+            same = sum(a == b for a, b in zip(info[k][0], base))
+            print(f"{k}: {same}/{len(base)} outputs equal plain greedy token for token")
+    if not args.no_hf:
+        same = sum(a == b for a, b in zip(hf_out, base))
+        print(f"hf: {same}/{len(base)} outputs equal the engine's plain greedy (fp32 reduction order may differ)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Paged attention: the torch reference backend and the dispatch to the Triton kernels.
+
+Semantics every backend implements (and tests/test_attention.py checks against a dense loop): token t of
+request b at absolute position p attends to KV positions 0..p of request b; KV position j lives in slot
+block_tables[b, j // block_size] * block_size + j % block_size. A verify window is therefore just a run of
+consecutive positions, exactly like a prefill chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tsengine.context import Context
+
+BACKENDS = ("torch", "triton")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> None:
+    """Store this step's K/V ([T, nkv, d]) at their slots; caches are [num_blocks, block_size, nkv, d]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+
+
+def _dense_plan(ctx: Context, block_size: int, device):
+    """Computed once per forward, shared by every layer: which cache slots to gather per request, where
+    each token sits in the padded query block, and the position mask."""
+    key = ("dense", block_size)
+    if key not in ctx.memo:
+        b = ctx.block_tables.shape[0]
+        j = torch.arange(ctx.max_ctx, device=device)
+        slots = (ctx.block_tables[:, j // block_size] * block_size + j % block_size).flatten()  # [B * ctx]
+        local = torch.arange(ctx.num_tokens, device=device) - ctx.query_start[ctx.seq_index]
+        qpos = torch.zeros(b, ctx.max_q, dtype=torch.long, device=device)
+        qpos[ctx.seq_index, local] = ctx.positions
+        mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < ctx.context_lens[:, None, None])
+        ctx.memo[key] = (slots, local, mask[:, None])
+    return ctx.memo[key]
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context,
+                          scale: float) -> torch.Tensor:
+    """q [T, nh, d] -> [T, nh, d]. Vectorized over requests: pad each request's queries to max_q and
+    gather its KV to max_ctx, one SDPA call with a position mask, unpad. Padding query rows attend to
+    position 0 (always valid), so no row is fully masked."""
+    slots, local, mask = _dense_plan(ctx, k_cache.shape[1], q.device)
+    b = ctx.block_tables.shape[0]
+    nkv, d = k_cache.shape[2:]
+    k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d)
+    v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d)
+    decode = ctx.max_q == 1 and b == ctx.num_tokens  # one token per request: nothing to pad
+    if decode:
+        qp = q[:, None]
+    else:
+        qp = q.new_zeros(b, ctx.max_q, *q.shape[1:])
+        qp[ctx.seq_index, local] = q
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                       attn_mask=mask, scale=scale, enable_gqa=nkv != q.shape[1])
+    o = o.transpose(1, 2)
+    return o[:, 0] if decode else o[ctx.seq_index, local]
+
+
+def paged_attention(q, k_cache, v_cache, ctx: Context, scale: float, backend: str = "torch") -> torch.Tensor:
+    if backend == "triton":
+        from tsengine.kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, ctx, scale)
+    return paged_attention_torch(q, k_cache, v_cache, ctx, scale)

@@ -1,0 +1,123 @@
+"""Engine and speculation settings: strict (an unknown key is an error naming it), validated at startup.
+
+Speculation is named as SGLang/TokenSpeed name it on the command line (`--speculative-algorithm EAGLE3`,
+`--speculative-num-steps`, `--speculative-eagle-topk`, `--speculative-num-draft-tokens`) and as vLLM
+names it in `--speculative-config` JSON (`method`, `model`, `num_speculative_tokens`); both forms meet
+in `SpeculativeConfig.resolve`, where a conflict between them is an error rather than a silent choice.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tsengine.errors import UserError, fail_if
+
+ALGORITHMS = ("EAGLE3",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SpeculativeConfig(_Strict):
+    algorithm: Literal["EAGLE3"] = "EAGLE3"
+    draft_model_path: str
+    num_steps: int = Field(3, ge=1, le=10)
+    eagle_topk: int = Field(1, ge=1, le=16)
+    num_draft_tokens: int | None = None
+
+    def checked(self) -> "SpeculativeConfig":
+        n, s, k = self.num_draft_tokens, self.num_steps, self.eagle_topk
+        problems = []
+        if k != 1:
+            problems.append(f"speculative_eagle_topk is {k}; only 1 (chain drafting) is supported so far")
+        if n is not None and k == 1 and n != s + 1:
+            problems.append(f"speculative_num_draft_tokens is {n}; a chain (eagle_topk 1) verifies the root plus "
+                            f"every draft: it must equal speculative_num_steps + 1 = {s + 1}")
+        fail_if(problems, "invalid speculative decoding settings")
+        return self if n is not None else self.model_copy(update={"num_draft_tokens": s + 1})
+
+    @staticmethod
+    def resolve(algorithm: str | None = None, draft_model_path: str | None = None, num_steps: int | None = None,
+                eagle_topk: int | None = None, num_draft_tokens: int | None = None,
+                config_json: str | dict | None = None) -> "SpeculativeConfig | None":
+        """Merge the flags and the JSON form; None when no speculation is asked for."""
+        flags = {"algorithm": algorithm, "draft_model_path": draft_model_path, "num_steps": num_steps,
+                 "eagle_topk": eagle_topk, "num_draft_tokens": num_draft_tokens}
+        flags = {k: v for k, v in flags.items() if v is not None}
+        merged = dict(flags)
+        if config_json is not None:
+            if isinstance(config_json, str):
+                try:
+                    config_json = json.loads(config_json)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"--speculative-config is not valid JSON: {e}") from None
+            if not isinstance(config_json, dict):
+                raise UserError("--speculative-config must be a JSON object")
+            names = {"method": "algorithm", "model": "draft_model_path", "num_speculative_tokens": "num_steps",
+                     "num_steps": "num_steps", "eagle_topk": "eagle_topk", "topk": "eagle_topk",
+                     "num_draft_tokens": "num_draft_tokens"}
+            problems = []
+            for key, value in config_json.items():
+                if key not in names:
+                    problems.append(f"speculative_config key {key!r} is unknown; allowed: {', '.join(names)}")
+                    continue
+                field = names[key]
+                if field == "algorithm" and isinstance(value, str):
+                    value = {"eagle3": "EAGLE3", "eagle-3": "EAGLE3"}.get(value.lower(), value)
+                if field in flags and flags[field] != value:
+                    problems.append(f"speculative_config {key}={value!r} conflicts with the flag for {field} "
+                                    f"({flags[field]!r}); give it once")
+                merged[field] = value
+            fail_if(problems, "invalid --speculative-config")
+        if not merged:
+            return None
+        if merged.get("algorithm", "EAGLE3") not in ALGORITHMS:
+            raise UserError(f"speculative algorithm {merged['algorithm']!r} is not supported; allowed: "
+                            f"{', '.join(ALGORITHMS)}")
+        if "draft_model_path" not in merged:
+            raise UserError("speculative decoding needs a draft model: --speculative-draft-model-path DIR "
+                            "(or \"model\" in --speculative-config)")
+        try:
+            return SpeculativeConfig(**merged).checked()
+        except ValidationError as e:
+            raise UserError("invalid speculative decoding settings:\n" + _describe(e)) from None
+
+
+class EngineConfig(_Strict):
+    model: str
+    tokenizer: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory: int | None = Field(None, ge=1)  # bytes (CPU); default: enough for the request cap
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    num_kv_blocks: int | None = Field(None, ge=1)  # overrides the budget (tests, reproducible benchmarks)
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    seed: int = 0
+    debug_checks: bool = False  # invariant checks after every step (tests turn them on)
+    speculative: SpeculativeConfig | None = None
+
+    @staticmethod
+    def make(**kw) -> "EngineConfig":
+        try:
+            return EngineConfig(**kw)
+        except ValidationError as e:
+            raise UserError("invalid engine settings:\n" + _describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        field = ".".join(str(x) for x in err["loc"]) or "settings"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  - {field}: unknown setting")
+        else:
+            lines.append(f"  - {field}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)

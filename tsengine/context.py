@@ -1,0 +1,62 @@
+"""The one small object a forward needs besides the tokens: where each token sits and where its KV goes.
+
+A step's tokens from every request are concatenated into one flat batch (prefill chunks, verify windows
+and decode tokens mixed). Attention then needs, per token, its absolute position and its request; per
+request, the block table and the KV length after this step's writes. Shapes that size padded buffers
+(`max_q`, `max_ctx`) are host ints the scheduler already knows, so no kernel launch waits on a sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Context:
+    positions: torch.Tensor  # [T] long: absolute position of each token (RoPE and the causal limit)
+    seq_index: torch.Tensor  # [T] long: which request (row of block_tables) each token belongs to
+    slot_mapping: torch.Tensor  # [T] long: flat KV slot (block * block_size + offset) each token writes
+    block_tables: torch.Tensor  # [B, M] long: the request's blocks in order (padding entries are 0)
+    context_lens: torch.Tensor  # [B] long: KV length of each request once this step's tokens are written
+    query_start: torch.Tensor  # [B + 1] long: offsets of each request's tokens in the flat batch
+    max_q: int  # longest run of new tokens of one request
+    max_ctx: int  # longest context_lens
+    memo: dict = field(default_factory=dict)  # per-forward values every layer shares (the torch backend's plan)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @staticmethod
+    def build(runs: list[tuple[list[int], int, list[int]]], block_size: int, device) -> "Context":
+        """`runs`: per request (its block table, first new position, number of new tokens as a list
+        of positions is implied: start..start+n-1). Host-side bookkeeping, once per step."""
+        positions, seq_index, slots, starts, lens = [], [], [], [0], []
+        width = max(len(bt) for bt, _, _ in runs)
+        tables = []
+        for b, (bt, start, n) in enumerate(runs):
+            pos = range(start, start + n)
+            positions.extend(pos)
+            seq_index.extend([b] * n)
+            slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
+            starts.append(starts[-1] + n)
+            lens.append(start + n)
+            tables.append(bt + [0] * (width - len(bt)))
+
+        def t(x):
+            return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
+
+        return Context(t(positions), t(seq_index), t(slots), t(tables), t(lens), t(starts),
+                       max(n for _, _, n in runs), max(lens))
+
+    @staticmethod
+    def one_each(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> "Context":
+        """One new token per request at `positions` [B], built on the device (the draft chain's steps:
+        no host round trip between them). `max_ctx` is the table width, an upper bound."""
+        b = positions.shape[0]
+        ar = torch.arange(b, device=positions.device)
+        slots = block_tables[ar, positions // block_size] * block_size + positions % block_size
+        return Context(positions, ar, slots, block_tables, positions + 1, torch.arange(b + 1, device=positions.device),
+                       1, block_tables.shape[1] * block_size)

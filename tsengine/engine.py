@@ -1,0 +1,206 @@
+"""The engine core: one `step()` = schedule → one target forward → sample/verify → commit → draft.
+
+    target forward   prefill chunks + verify windows [last token, d1..dS] of every request, one flat batch
+    sample / verify  draws keyed by (seed, position) for the rows that need a token; a verify window
+                     accepts its longest prefix of drafts equal to the target's draws, plus one bonus draw
+    commit           num_cached and tokens advance; stop rules truncate; rejected slots are simply
+                     overwritten later (both caches), blocks past the next step's need go back
+    draft            the head extends its cache over the newly committed positions and drafts S tokens
+
+Exactly one host sync per step: the sampled tokens and accept lengths come back together (the scheduler
+and the stop rules need them). Drafts stay on the device and are scattered into the next input.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tsengine.config import EngineConfig
+from tsengine.context import Context
+from tsengine.errors import UserError
+from tsengine.metrics import Stats
+from tsengine.runner import Runner
+from tsengine.sampling import RowParams, SamplingParams, sample
+from tsengine.scheduler import Scheduler
+from tsengine.sequence import Sequence, Status
+
+log = logging.getLogger("tsengine")
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    verify: bool = False
+    accepted: int = 0  # drafts accepted in this step
+
+
+@dataclass
+class Request:
+    seq: Sequence
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = Runner(config)
+        self.tokenizer, self.eos_ids = self.runner.tokenizer, set(self.runner.eos_ids)
+        self.max_model_len = self.runner.max_model_len
+        s = config.speculative
+        self.spec_steps = s.num_steps if s else 0
+        self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.spec_steps)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = Stats(self.spec_steps)
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    # ---- requests -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise UserError(f"request id {request_id!r} is already running")
+        if not prompt:
+            raise UserError("prompt: empty; the model needs at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise UserError(f"prompt: {len(prompt)} tokens; the context is {self.max_model_len} tokens "
+                            "(max_model_len) including at least one generated token")
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise UserError(f"prompt: token ids must be in 0..{vocab - 1}")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        seq = Sequence(request_id, list(prompt), params, seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.requests_started += 1
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        r, dev, S = self.runner, self.runner.device, self.spec_steps
+        ids, runs, draft_slots, drafts, rows, row_seq, row_pos, vstart = [], [], [], [], [], [], [], []
+        for s in batch:
+            seq, base = s.seq, len(ids)
+            runs.append((seq.table, s.start, s.num_tokens))
+            if s.verify:
+                ids.extend([seq.tokens[-1]] + [0] * S)
+                draft_slots.extend(range(base + 1, base + 1 + S))
+                drafts.append(seq.drafts)
+            else:
+                ids.extend(seq.tokens[s.start:s.start + s.num_tokens])
+            if s.samples:  # rows whose logits draw a token: the whole window, or the chunk's last row
+                first = base if s.verify else base + s.num_tokens - 1
+                if s.verify:
+                    vstart.append(len(rows))
+                rows.extend(range(first, base + s.num_tokens))
+                row_seq.extend([seq] * (base + s.num_tokens - first))
+                row_pos.extend(range(s.start + (first - base) + 1, s.start + s.num_tokens + 1))
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        if drafts:
+            input_ids[torch.tensor(draft_slots, dtype=torch.long, device=dev)] = torch.cat(drafts)
+        ctx = Context.build(runs, r.block_size, dev)
+        hidden, aux = r.model(input_ids, ctx, r.kv)
+        rp = RowParams.build([q.params for q in row_seq], [q.seed for q in row_seq], dev)
+        long = dict(dtype=torch.long, device=dev)
+        draws = sample(r.model.logits(hidden[torch.tensor(rows, **long)]), rp, torch.tensor(row_pos, **long))
+        accept = None
+        if drafts:  # each verify window's S + 1 sampled rows: accept the drafts' longest matching prefix
+            vrow = torch.tensor(vstart, device=dev)[:, None] + torch.arange(S + 1, device=dev)
+            accept = (torch.stack(drafts) == draws[vrow[:, :S]]).long().cumprod(1).sum(1)
+        t1 = time.perf_counter()
+        # The one host sync of the step: stop rules and the scheduler need the tokens.
+        draws_h = draws.tolist()
+        accept_h = accept.tolist() if accept is not None else []
+        outputs, ext, i, v = [], [], 0, 0
+        for s in batch:
+            seq = s.seq
+            if seq.status is Status.FINISHED:  # aborted meanwhile
+                continue
+            if s.verify:
+                a = accept_h[v]
+                v += 1
+                new = draws_h[i:i + a + 1]
+                i += S + 1
+                seq.num_cached += a + 1
+                seq.verify_steps += 1
+                seq.accepted += a
+                self.stats.verified(a)
+            else:
+                seq.num_cached += s.num_tokens
+                new = [draws_h[i]] if s.samples else []
+                i += 1 if s.samples else 0
+            kept, reason = self._append(seq, new)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.requests.pop(seq.request_id, None)
+            else:
+                self.scheduler.trim(seq)
+                if S:
+                    n_ext = (a + 1) if s.verify else s.num_tokens
+                    ext.append((s, n_ext))
+            if kept or reason:
+                outputs.append(StepOutput(seq.request_id, kept, reason is not None, reason, s.verify,
+                                          a if s.verify else 0))
+        t2 = time.perf_counter()
+        if ext:
+            self._draft(ext, batch, aux, dev)
+        if self.config.debug_checks:
+            self.scheduler.check()
+        self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
+        return outputs
+
+    def _append(self, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:
+        """Commit `new` tokens up to the first stop; returns (kept tokens, finish reason or None)."""
+        p, kept = seq.params, []
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        for t in new:
+            seq.tokens.append(t)
+            kept.append(t)
+            if t in stops:
+                return kept, "stop"
+            if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+                return kept, "length"
+        return kept, None
+
+    def _draft(self, ext: list, batch: list, aux: torch.Tensor, dev) -> None:
+        """Extend the draft cache over each run's committed positions; draft for those that sampled."""
+        runs, rows, ids, last, need = [], [], [], [], []
+        offsets, off = {}, 0
+        for s in batch:
+            offsets[s.seq.sid] = off
+            off += s.num_tokens
+        for s, n in ext:
+            seq, base = s.seq, offsets[s.seq.sid]
+            runs.append((seq.table, s.start, n))
+            rows.extend(range(base, base + n))
+            ids.extend(seq.tokens[s.start + 1:s.start + n + 1])
+            if s.samples:
+                last.append(len(rows) - 1)
+                need.append(seq)
+        r = self.runner
+        ctx = Context.build(runs, r.block_size, dev)
+        width = max(len(q.table) for q in need) if need else 0
+        tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
+        rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
+        long = dict(dtype=torch.long, device=dev)
+        out = r.drafter.extend_and_draft(torch.tensor(ids, **long), aux[torch.tensor(rows, **long)], ctx,
+                                         torch.tensor(last, dtype=torch.long, device=dev), tables, rp)
+        for j, q in enumerate(need):
+            q.drafts = out[j]

@@ -1,0 +1,98 @@
+"""Paged KV cache: fixed-size blocks, a block table per request, reference-counted blocks.
+
+The target's cache and the draft head's cache share one block table per request: a block id names the
+same token positions in both, so allocation, rollback and preemption happen once. A draft position never
+runs ahead of the target's window (drafts sit inside the slots reserved for the next verify), so a
+request's blocks always cover both caches.
+
+Reference counts let a block be shared (one owner per reference); `check` is the invariant the debug
+mode runs after every step: every block is either free or referenced, counts equal the number of
+tables holding the block, and nothing leaks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from tsengine.errors import UserError
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.ref = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) - len(table) <= len(self.free)
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Make `table` cover `num_tokens` positions (caller checked `can_grow`)."""
+        need = self.blocks_for(num_tokens) - len(table)
+        for _ in range(need):
+            b = self.free.popleft()
+            assert self.ref[b] == 0
+            self.ref[b] = 1
+            table.append(b)
+
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Release the blocks past what `num_tokens` positions need (rejected drafts' space)."""
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+
+    def share(self, table: list[int]) -> list[int]:
+        """A second table over the same blocks (one more reference each)."""
+        for b in table:
+            self.ref[b] += 1
+        return list(table)
+
+    def release(self, table: list[int]) -> None:
+        while table:
+            self._release(table.pop())
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        assert self.ref[b] >= 0, f"block {b} released twice"
+        if self.ref[b] == 0:
+            self.free.append(b)
+
+    def check(self, tables: list[list[int]]) -> None:
+        """Debug invariant: refcounts equal table membership; free blocks are exactly the unreferenced."""
+        counts = [0] * self.num_blocks
+        for t in tables:
+            for b in t:
+                counts[b] += 1
+        assert counts == self.ref, "block reference counts differ from the tables that hold them"
+        free = set(self.free)
+        assert len(free) == len(self.free), "a block is on the free list twice"
+        assert free == {b for b in range(self.num_blocks) if self.ref[b] == 0}, "leaked or double-owned block"
+
+
+def bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def allocate(num_blocks: int, block_size: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
+    """[(k, v)] per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+    shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
+    buf = torch.zeros(shape, dtype=dtype, device=device)
+    return [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+
+
+def plan_blocks(budget_bytes: int, per_block: int, block_size: int, max_model_len: int) -> int:
+    n = budget_bytes // per_block
+    if n < -(-max_model_len // block_size):
+        raise UserError(f"the KV cache budget ({budget_bytes / 2**20:.1f} MiB) holds {n} blocks of {block_size} "
+                        f"tokens; one request of max_model_len {max_model_len} needs "
+                        f"{-(-max_model_len // block_size)}: raise the KV cache memory or lower max_model_len")
+    return n

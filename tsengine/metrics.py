@@ -1,0 +1,45 @@
+"""Counters the engine keeps (speculation acceptance, tokens, step time split) and its periodic log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("tsengine")
+
+
+class Stats:
+    def __init__(self, spec_steps: int, log_every_s: float = 10.0):
+        self.spec_steps = spec_steps
+        self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
+        self.accepted_per_pos = [0] * spec_steps
+        self.requests_started = self.generated_tokens = self.steps = 0
+        self.time_forward = self.time_commit = self.time_draft = 0.0
+        self.log_every_s, self._last_log, self._window = log_every_s, time.monotonic(), [0, 0]
+
+    def verified(self, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.spec_steps
+        self.num_accepted += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def step(self, tokens: int, reqs: int, t0: float, t1: float, t2: float, t3: float) -> None:
+        self.steps += 1
+        self.generated_tokens += tokens
+        self.time_forward += t1 - t0
+        self.time_commit += t2 - t1
+        self.time_draft += t3 - t2
+        self._window[0] += tokens
+        self._window[1] += 1
+        now = time.monotonic()
+        if now - self._last_log >= self.log_every_s:
+            dt = now - self._last_log
+            log.info("Decode batch. #running-req: %d, gen throughput (token/s): %.1f, Decoded Tok/Iter: %.2f",
+                     reqs, self._window[0] / dt, self._window[0] / max(1, self._window[1]))
+            self._last_log, self._window = now, [0, 0]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """τ over verify steps: (accepted drafts + bonus) per target forward."""
+        return (self.num_accepted + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,114 @@
+"""Continuous batching: every step mixes verify/decode windows of running requests with prefill chunks.
+
+Order of a step (vLLM V1's policy): running requests first, oldest first, each taking its decode window
+(1 token, or 1 + S with speculation) or its next prefill chunk; then waiting requests are admitted while
+the token budget, the request cap and the free blocks allow. When a running request cannot get blocks,
+the newest running request is preempted (its blocks freed, recomputed later; seeded sampling keys by
+position, so recompute gives the same tokens). A step never crashes for lack of blocks and never leaks.
+
+Blocks reserved per request: `len(tokens) + reserve` positions, where reserve = 2·S with speculation
+(the verify window reaches S past the last token, and the draft chain after a full accept writes up to
+2S−1 past it) and 0 without.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tsengine.kv_cache import BlockManager
+from tsengine.sequence import Sequence, Status
+
+
+@dataclass
+class Scheduled:
+    seq: Sequence
+    start: int  # first position forwarded (== seq.num_cached)
+    num_tokens: int  # tokens of the prompt/prefix forwarded, or 1 + S for a verify window
+    verify: bool  # a decode window (last token + drafts)
+    samples: bool = False  # the target draws a token: a verify window or the chunk reaching the last token
+
+    def __post_init__(self):  # fixed at schedule time: the commit appends tokens afterwards
+        self.samples = self.verify or self.start + self.num_tokens == len(self.seq.tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec_steps: int):
+        self.blocks, self.max_num_seqs, self.budget = blocks, max_num_seqs, max_num_batched_tokens
+        self.spec_steps = spec_steps
+        self.reserve = 2 * spec_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        budget = self.budget
+        running, self.running = self.running, []
+        queue = deque(running)
+        while queue and budget > 0:
+            seq = queue.popleft()
+            if seq.decoding:
+                n = 1 + (self.spec_steps if seq.drafts is not None else 0)
+                if n > budget:
+                    self.running.append(seq)  # keeps its place; decodes next step
+                    continue
+            else:
+                n = min(len(seq.tokens) - seq.num_cached, budget)
+            need = seq.num_cached + n + (self.reserve if seq.num_cached + n >= len(seq.tokens) else 0)
+            while not self.blocks.can_grow(seq.table, need) and queue:
+                self._preempt(queue.pop())
+            if not self.blocks.can_grow(seq.table, need):
+                self._preempt(seq)
+                continue
+            self.blocks.grow(seq.table, need)
+            out.append(Scheduled(seq, seq.num_cached, n, seq.decoding and n > 1))
+            self.running.append(seq)
+            budget -= n
+        self.running.extend(queue)  # not reached this step (budget spent): they keep their blocks
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(len(seq.tokens), budget)
+            need = n + (self.reserve if n == len(seq.tokens) else 0)
+            if not self.blocks.can_grow(seq.table, need):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.table, need)
+            seq.status = Status.RUNNING
+            out.append(Scheduled(seq, 0, n, False))
+            self.running.append(seq)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq.table)
+        seq.preempt()
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Free everything a finished or aborted request holds (running or waiting)."""
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.blocks.release(seq.table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def trim(self, seq: Sequence) -> None:
+        """After a commit: keep only the blocks the next step can use (rejected drafts' blocks go back)."""
+        self.blocks.shrink(seq.table, len(seq.tokens) + self.reserve)
+
+    def check(self) -> None:
+        """Debug invariant after every step: block ownership is exact; states are where they belong."""
+        live = self.running + list(self.waiting)
+        self.blocks.check([s.table for s in live])
+        assert all(s.status is Status.RUNNING for s in self.running)
+        assert all(s.status is Status.WAITING and not s.table for s in self.waiting)
+        assert len({s.sid for s in live}) == len(live), "a request is queued twice"
+        for s in self.running:
+            assert self.blocks.blocks_for(s.num_cached) <= len(s.table), "cached positions outside the table"

@@ -1,0 +1,70 @@
+"""EAGLE-3 chain drafting over the paged draft cache, batched across requests.
+
+Position bookkeeping (the same as infer/reference.py): the head's input at draft position t is
+(embedding of token t+1, target features of position t), so after the target has cached positions
+[a, b) the head extends its own cache over [a, b) with tokens a+1..b. Token b is the next *prompt* token
+when [a, b) is a non-final prefill chunk (the chunk-boundary case vLLM and SGLang both once got wrong:
+tests/test_engine.py::test_chunked_prefill_eagle) and the freshly sampled token otherwise. The last
+extended row then starts the chain: step k feeds (draft k-1, the head's own output) at the next position.
+
+Draft choices use the same keyed Gumbel noise as the target's draw at that position (restricted to the
+draft vocab), so when the draft's distribution is close to the target's, the draft picks the very token
+the target will sample; greedy requests take the plain argmax. Either way only the target decides.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tsengine.attention import paged_attention, write_kv
+from tsengine.context import Context
+from tsengine.eagle3.head import Eagle3Head
+from tsengine.sampling import RowParams, gumbel
+
+
+class Eagle3Drafter:
+    def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str):
+        self.head, self.steps, self.kv, self.block_size, self.backend = head, num_steps, kv, block_size, backend
+        self.scale = head.config.head_dim ** -0.5
+        self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+
+    def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """One pass of the head's layer over flat tokens: [T] ids, [T, H] hidden -> [T, H] pre-norm out."""
+        h = self.head
+        emb = h.embed(ids).to(hidden.dtype)[None]
+        cos, sin = h.rope(ctx.positions[None], hidden[None])
+        q, k, v = h.midlayer.qkv(emb, hidden[None], cos, sin)
+        write_kv(self.kv[0], self.kv[1], k[0].transpose(0, 1), v[0].transpose(0, 1), ctx)
+        a = paged_attention(q[0].transpose(0, 1), self.kv[0], self.kv[1], ctx, self.scale, self.backend)
+        return h.midlayer.finish(a.transpose(0, 1)[None], hidden[None])[0]
+
+    def _choose(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor) -> torch.Tensor:
+        """Target ids of the drafted tokens at `positions` (absolute position of each drafted token)."""
+        logits = self.head.logits(out).float()
+        if not rp.all_greedy:
+            t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature))
+            vocab = self.head.config.vocab_size
+            noisy = logits / t[:, None] + gumbel(rp.seeds, positions, vocab)[:, self.draft_ids_in_target]
+            pick = torch.where(rp.temperature[:, None] > 0, noisy, logits).argmax(-1)
+        else:
+            pick = logits.argmax(-1)
+        return self.draft_ids_in_target[pick]
+
+    @torch.no_grad()
+    def extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
+                         tables: torch.Tensor, rp: RowParams) -> torch.Tensor | None:
+        """Extend the draft cache over ctx's runs, then draft `steps` tokens for the requests whose last
+        extended row is `last_rows` [D] (their block tables `tables` [D, M], sampling rows `rp`).
+        Returns [D, steps] target ids, or None when no request drafts."""
+        out = self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx)
+        if last_rows.numel() == 0:
+            return None
+        hidden = out[last_rows]
+        pos = ctx.positions[last_rows]  # draft position of the chain's first input; it drafts token pos + 2
+        drafts = [self._choose(hidden, rp, pos + 2)]
+        for _ in range(1, self.steps):
+            pos = pos + 1
+            step = Context.one_each(tables, pos, self.block_size)
+            hidden = self._layer(drafts[-1], hidden, step)
+            drafts.append(self._choose(hidden, rp, pos + 2))
+        return torch.stack(drafts, dim=1)
