@@ -20,6 +20,8 @@ import time
 
 import httpx
 
+MODEL = "smollm2-135m"  # the served model name (set from --target in main)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -35,7 +37,7 @@ async def level(base: str, prompts: list[str], conc: int, total: int, max_tokens
         nonlocal tokens, steps
         async with sem:
             r = await client.post(f"{base}/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+                "model": MODEL, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
             r.raise_for_status()
             u = r.json()["usage"]
@@ -76,6 +78,8 @@ def main() -> None:
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
+    global MODEL
+    MODEL = args.target
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from engine_speed import val_prompts_text
 

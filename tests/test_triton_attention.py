@@ -150,3 +150,17 @@ def test_dispatch_and_public_entry_points():
                                    atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError):
         paged_attention_triton(q, k_cache, v_cache, ctx, 0.25, kernel="flash")
+
+
+@pytest.mark.parametrize("specs", [MIXED, [(13, 1)], [(0, 1)], [(5, 20)], [(3, 1), (40, 1)]], ids=str)
+def test_torch_backend_matches_dense_loop(specs):
+    """The reference backend itself, including its shortcuts: one request decoding one token (no mask),
+    and device-built one-token contexts whose max_ctx is only an upper bound (the draft chain's)."""
+    q, k_cache, v_cache, ctx = make_batch(specs, 4, 4, 2, 16, torch.float32, seed=5)
+    out = paged_attention_torch(q, k_cache, v_cache, ctx, 0.25)
+    torch.testing.assert_close(out.double(), dense_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
+    if ctx.max_q == 1:
+        chain = Context.one_each(ctx.block_tables, ctx.positions, 4)  # same tokens, loose max_ctx
+        assert chain.max_ctx >= ctx.max_ctx and not chain.exact_ctx
+        out = paged_attention_torch(q, k_cache, v_cache, chain, 0.25)
+        torch.testing.assert_close(out.double(), dense_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)

@@ -22,10 +22,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
 
 
-def _dense_plan(ctx: Context, block_size: int, device):
+def _dense_plan(ctx: Context, block_size: int, device, dtype):
     """Computed once per forward, shared by every layer: which cache slots to gather per request, where
     each token sits in the padded query block, and the position mask."""
-    key = ("dense", block_size)
+    key = ("dense", block_size, dtype)
     if key not in ctx.memo:
         b = ctx.block_tables.shape[0]
         j = torch.arange(ctx.max_ctx, device=device)
@@ -34,7 +34,13 @@ def _dense_plan(ctx: Context, block_size: int, device):
         qpos = torch.zeros(b, ctx.max_q, dtype=torch.long, device=device)
         qpos[ctx.seq_index, local] = ctx.positions
         mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < ctx.context_lens[:, None, None])
-        ctx.memo[key] = (slots, local, mask[:, None])
+        # Additive float mask, built once (SDPA would convert a bool mask in every layer). One request
+        # decoding one token sees its whole gathered context: no mask at all.
+        if b == 1 and ctx.max_q == 1 and ctx.exact_ctx:
+            mask = None
+        else:
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
+        ctx.memo[key] = (slots, local, mask)
     return ctx.memo[key]
 
 
@@ -43,18 +49,18 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """q [T, nh, d] -> [T, nh, d]. Vectorized over requests: pad each request's queries to max_q and
     gather its KV to max_ctx, one SDPA call with a position mask, unpad. Padding query rows attend to
     position 0 (always valid), so no row is fully masked."""
-    slots, local, mask = _dense_plan(ctx, k_cache.shape[1], q.device)
+    slots, local, mask = _dense_plan(ctx, k_cache.shape[1], q.device, q.dtype)
     b = ctx.block_tables.shape[0]
     nkv, d = k_cache.shape[2:]
-    k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d)
-    v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d)
+    k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
+    v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
     decode = ctx.max_q == 1 and b == ctx.num_tokens  # one token per request: nothing to pad
     if decode:
         qp = q[:, None]
     else:
         qp = q.new_zeros(b, ctx.max_q, *q.shape[1:])
         qp[ctx.seq_index, local] = q
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, scale=scale, enable_gqa=nkv != q.shape[1])
     o = o.transpose(1, 2)
     return o[:, 0] if decode else o[ctx.seq_index, local]

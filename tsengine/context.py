@@ -23,6 +23,7 @@ class Context:
     query_start: torch.Tensor  # [B + 1] long: offsets of each request's tokens in the flat batch
     max_q: int  # longest run of new tokens of one request
     max_ctx: int  # longest context_lens
+    exact_ctx: bool = True  # max_ctx is the true longest context (False: an upper bound, see one_each)
     memo: dict = field(default_factory=dict)  # per-forward values every layer shares (the torch backend's plan)
 
     @property
@@ -59,4 +60,4 @@ class Context:
         ar = torch.arange(b, device=positions.device)
         slots = block_tables[ar, positions // block_size] * block_size + positions % block_size
         return Context(positions, ar, slots, block_tables, positions + 1, torch.arange(b + 1, device=positions.device),
-                       1, block_tables.shape[1] * block_size)
+                       1, block_tables.shape[1] * block_size, exact_ctx=False)

@@ -19,12 +19,13 @@ import torch
 from tsengine.attention import paged_attention, write_kv
 from tsengine.context import Context
 from tsengine.eagle3.head import Eagle3Head
+from tsengine.linear import accelerate
 from tsengine.sampling import RowParams, gumbel
 
 
 class Eagle3Drafter:
     def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str):
-        self.head, self.steps, self.kv, self.block_size, self.backend = head, num_steps, kv, block_size, backend
+        self.head, self.steps, self.kv, self.block_size, self.backend = accelerate(head), num_steps, kv, block_size, backend
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
 
