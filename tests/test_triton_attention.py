@@ -164,3 +164,17 @@ def test_torch_backend_matches_dense_loop(specs):
         assert chain.max_ctx >= ctx.max_ctx and not chain.exact_ctx
         out = paged_attention_torch(q, k_cache, v_cache, chain, 0.25)
         torch.testing.assert_close(out.double(), dense_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("start, n", [(5, 3), (11, 1), (0, 7)])
+def test_torch_backend_consecutive_blocks_view(start, n):
+    """One request on consecutive blocks reads its KV as a view of the cache (no gather): same result."""
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(8, 4, 2, 16, generator=g), torch.randn(8, 4, 2, 16, generator=g)
+    table = [2, 3, 4, 5]
+    ctx = Context.build([(table, start, n)], 4, "cpu")
+    assert ctx.dense_base == 8
+    q = torch.randn(n, 4, 16, generator=g)
+    out = paged_attention_torch(q, k_cache, v_cache, ctx, 0.25)
+    torch.testing.assert_close(out.double(), dense_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
+    assert Context.build([([2, 4, 5], start, n)], 4, "cpu").dense_base is None

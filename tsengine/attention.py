@@ -52,8 +52,12 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     slots, local, mask = _dense_plan(ctx, k_cache.shape[1], q.device, q.dtype)
     b = ctx.block_tables.shape[0]
     nkv, d = k_cache.shape[2:]
-    k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
-    v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
+    if ctx.dense_base is not None:  # one request, consecutive blocks (the usual batch-1 case): a view, no copy
+        span = slice(ctx.dense_base, ctx.dense_base + ctx.max_ctx)
+        k, v = k_cache.view(-1, nkv, d)[span][None].to(q.dtype), v_cache.view(-1, nkv, d)[span][None].to(q.dtype)
+    else:
+        k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
+        v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
     decode = ctx.max_q == 1 and b == ctx.num_tokens  # one token per request: nothing to pad
     if decode:
         qp = q[:, None]

@@ -24,6 +24,7 @@ class Context:
     max_q: int  # longest run of new tokens of one request
     max_ctx: int  # longest context_lens
     exact_ctx: bool = True  # max_ctx is the true longest context (False: an upper bound, see one_each)
+    dense_base: int | None = None  # one request whose blocks are consecutive: its KV is slots base.. (a view)
     memo: dict = field(default_factory=dict)  # per-forward values every layer shares (the torch backend's plan)
 
     @property
@@ -49,8 +50,10 @@ class Context:
         def t(x):
             return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
 
+        bt = runs[0][0]
+        consecutive = len(runs) == 1 and bt == list(range(bt[0], bt[0] + len(bt)))
         return Context(t(positions), t(seq_index), t(slots), t(tables), t(lens), t(starts),
-                       max(n for _, _, n in runs), max(lens))
+                       max(n for _, _, n in runs), max(lens), dense_base=bt[0] * block_size if consecutive else None)
 
     @staticmethod
     def one_each(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> "Context":

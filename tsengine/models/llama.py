@@ -32,11 +32,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE on [T, heads, d] with cos/sin [T, d]."""
-    h = x.shape[-1] // 2
-    rot = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
-    return x * cos[:, None] + rot * sin[:, None]
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE on [T, heads, d]: x·cos + [-x2, x1]·sin, written as x·cos + roll(x)·[-sin1, sin2]
+    with the sign folded into the sin table once: three kernels instead of five, per layer."""
+    return torch.addcmul(x * cos[:, None], torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin[:, None])
 
 
 class Layer(nn.Module):
@@ -123,7 +122,8 @@ class LlamaModel(nn.Module):
         rot = LlamaRotaryEmbedding(hf).to(self.embed.device)
         pos = torch.arange(max_len, device=self.embed.device)[None]
         cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=self.embed.device), pos)
-        self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)
+        h = sin.shape[-1] // 2
+        self._cos, self._sin = cos[0].to(self.dtype), torch.cat([-sin[0, :, :h], sin[0, :, h:]], dim=-1).to(self.dtype)
 
     def forward(self, input_ids: torch.Tensor, ctx: Context, kv_caches):
         x = F.embedding(input_ids, self.embed)
