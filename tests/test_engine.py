@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import re
+import warnings
 
 import pytest
 import torch
@@ -112,6 +113,8 @@ def test_greedy_spec_equals_greedy_mixed_batch(tiny_dirs, tiny_models, heads, ki
         plain = greedy_generate(hf, p, 40)
         verdict = compare_to_greedy(hf, p, truth[tuple(p)], plain)
         assert verdict.status in ("match", "near-tie"), str(verdict)
+        if verdict.status == "near-tie":  # allowed by the rule, never silent: shows in pytest's warnings summary
+            warnings.warn(f"engine vs HF greedy: {verdict}")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])

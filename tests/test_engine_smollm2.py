@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -54,6 +56,8 @@ def test_speculation_is_lossless_in_a_batch(engines):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
         verdict = compare_to_greedy(hf, p, x.outputs[0].token_ids, greedy_generate(hf, p, 24))
         assert verdict.status in ("match", "near-tie"), str(verdict)
+        if verdict.status == "near-tie":  # allowed by the rule, never silent: shows in pytest's warnings summary
+            warnings.warn(f"engine vs HF greedy: {verdict}")
         assert y.spec_verify_steps > 0
     sampled = [SamplingParams(temperature=0.7, top_p=0.95, max_tokens=24, ignore_eos=True, seed=s) for s in (1, 2, 3)]
     a = plain.generate(prompts, sampled)
