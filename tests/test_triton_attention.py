@@ -7,39 +7,14 @@ and several query tiles, which is where online softmax and tile skipping can go 
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined (conftest sets it too)
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: the triton attention backend cannot run")
-
-
-def _interpreted_triton():
-    """The flag is read when a function is decorated, and conftest's imports (transformers -> torch) load
-    Triton before this module runs: tl.max, tl.sum, tl.zeros were then built as compiled-mode JIT functions,
-    which the interpreter cannot call. Rebuild them, and the kernels if something imported them already."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    if os.environ["TRITON_INTERPRET"] != "1":
-        return
-    if not isinstance(tl.max, InterpretedFunction):
-        std = importlib.reload(tl.standard)
-        for name, value in list(vars(tl).items()):
-            if isinstance(value, JITFunction) and isinstance(getattr(std, name, None), InterpretedFunction):
-                setattr(tl, name, getattr(std, name))
-    mod = sys.modules.get("tsengine.kernels.paged_attention")
-    if mod is not None and not isinstance(mod._decode_kernel, InterpretedFunction):
-        importlib.reload(mod)
-
-
-_interpreted_triton()
 
 from tsengine.attention import paged_attention, paged_attention_torch, write_kv  # noqa: E402
 from tsengine.context import Context  # noqa: E402

@@ -43,6 +43,29 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, table_ptr, j, jmask, d, dmask, kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+             BLOCK_SIZE: tl.constexpr):
+    """K and V of key positions `j` of one request (its block-table row at `table_ptr`), zero where masked."""
+    blk = tl.load(table_ptr + j // BLOCK_SIZE, mask=jmask, other=0)
+    off = j % BLOCK_SIZE
+    kvmask = jmask[:, None] & dmask[None, :]
+    k = tl.load(k_ptr + blk[:, None] * sk_b + off[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_s + kvh * sv_h + d[None, :], mask=kvmask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax update (log2 domain) with scores `s` [rows, BLOCK_N] and values `v`."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, seq_ptr, bt_ptr, lens_ptr,
                    sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt, qk_scale,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -65,19 +88,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, seq_ptr, bt_ptr, lens_pt
     for start in range(0, limit, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         jmask = j < limit
-        blk = tl.load(bt_ptr + b * sbt + j // BLOCK_SIZE, mask=jmask, other=0)
-        off = j % BLOCK_SIZE
-        kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * sk_b + off[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_s + kvh * sv_h + d[None, :], mask=kvmask, other=0.0)
+        k, v = _kv_tile(k_ptr, v_ptr, bt_ptr + b * sbt, j, jmask, d, dmask, kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                        BLOCK_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(jmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION, UPCAST)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + t * so_t + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -120,19 +135,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, bt_ptr, len
     for start in range(0, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         jmask = j < hi
-        blk = tl.load(bt_ptr + b * sbt + j // BLOCK_SIZE, mask=jmask, other=0)
-        off = j % BLOCK_SIZE
-        kvmask = jmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * sk_b + off[:, None] * sk_s + kvh * sk_h + d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * sv_b + off[:, None] * sv_s + kvh * sv_h + d[None, :], mask=kvmask, other=0.0)
+        k, v = _kv_tile(k_ptr, v_ptr, bt_ptr + b * sbt, j, jmask, d, dmask, kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                        BLOCK_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
         s = tl.where(jmask[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION, UPCAST)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + tok[:, None] * so_t + heads[:, None] * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
