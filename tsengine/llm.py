@@ -39,8 +39,11 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 
 class LLM:
     def __init__(self, model: str, speculative_config: dict | str | None = None, **engine_args: Any):
-        spec = engine_args.pop("speculative", None) or SpeculativeConfig.resolve(config_json=speculative_config) \
-            if speculative_config is not None else engine_args.pop("speculative", None)
+        spec = engine_args.pop("speculative", None)
+        if speculative_config is not None:
+            if spec is not None:
+                raise UserError("give speculative_config or speculative, not both")
+            spec = SpeculativeConfig.resolve(config_json=speculative_config)
         self.engine = Engine(EngineConfig.make(model=model, speculative=spec, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
