@@ -51,7 +51,7 @@ def spec_json(head_dir) -> dict:
 def server(tiny_dirs, head_dir):
     config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4, debug_checks=True,
                                speculative=SpeculativeConfig.resolve(config_json=spec_json(head_dir)))
-    engine = AsyncEngine(Engine(config))
+    engine = AsyncEngine(lambda: Engine(config))  # as `tsengine serve` does: built on the engine thread
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL, api_key=KEY), log_level="warning"))
@@ -325,6 +325,20 @@ def test_async_generate_aborts_when_the_consumer_leaves(server):
         return got
 
     assert len(asyncio.run(main())) >= 2
+
+
+def test_engine_built_on_its_thread_and_startup_errors_reach_the_caller(server, tiny_dirs):
+    """The factory runs on the engine thread (one OpenMP pool per process; see async_engine), and a bad
+    config raises its UserError where AsyncEngine was created, leaving no thread behind."""
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread())
+        raise UserError("max_model_len 99999 exceeds the model's max_position_embeddings")
+
+    with pytest.raises(UserError, match="max_model_len"):
+        AsyncEngine(factory)
+    assert [t.name for t in built_on] == ["tsengine-engine"] and not built_on[0].is_alive()
 
 
 def test_engine_failure_fails_requests_not_the_server(server):

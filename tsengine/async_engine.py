@@ -11,6 +11,11 @@ after it: a consumer that goes away at any moment (client disconnect, cancelled 
 If the engine raises, every open request fails with `EngineError` (no client waits forever), the trace is
 logged once, and the requests are dropped from the engine; if even that fails the engine is marked dead
 and later requests fail at once.
+
+Give a factory rather than an Engine and the engine is built on its own thread. On CPU that matters:
+libgomp throttles its workers' spin-wait as soon as more threads sit in OpenMP pools than there are cores,
+so a model loaded on the main thread and stepped on another decodes ~35% slower on 2 cores (measured:
+docs/benchmarks.md). Built and stepped on one thread, the process has one pool.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tsengine.engine import Engine, StepOutput
 from tsengine.sampling import SamplingParams
@@ -68,15 +73,24 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, engine: Engine | Callable[[], Engine]):
+        """`engine`: an Engine, or a zero-argument factory called on the engine thread (its error, such
+        as a `UserError` for a bad config, is raised here)."""
+        self.engine = engine if isinstance(engine, Engine) else None
         self.dead: EngineError | None = None  # set when the thread stops serving (shutdown or a failure)
         self._lock = threading.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (loop, queue); touched only on the engine thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._run, name="tsengine-engine", daemon=True)
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(None if self.engine else engine, ready),
+                                        name="tsengine-engine", daemon=True)
         self._thread.start()
+        try:
+            ready.result()  # the factory's exception, if any, surfaces on the caller's thread
+        except BaseException:
+            self._thread.join()
+            raise
 
     # ---- the caller's side (any thread / event loop) ------------------------------------------------------
     async def open(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -119,7 +133,15 @@ class AsyncEngine:
             self._thread.join(timeout)
 
     # ---- the engine thread --------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, factory, ready: concurrent.futures.Future) -> None:
+        if factory is not None:
+            try:
+                self.engine = factory()
+            except BaseException as e:
+                self.dead = EngineError(f"the engine did not start: {e}")
+                ready.set_exception(e)
+                return
+        ready.set_result(None)
         stop = False
         try:
             while not stop:

@@ -385,7 +385,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
 
     from tsengine.engine import Engine
 
-    engine = AsyncEngine(Engine(config))
+    engine = AsyncEngine(lambda: Engine(config))  # built on the engine thread: see async_engine
     try:
         uvicorn.run(build_app(engine, served_model_name or config.model, api_key), host=host, port=port,
                     log_level="info")
