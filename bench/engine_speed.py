@@ -4,6 +4,10 @@ All rows run in one process, side by side, on the same prompts (the built-in val
 spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decodes the same count):
 
     python bench/engine_speed.py --draft DIR [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
+                                 [--shapes 3,1,4;5,4,16;4,8,32] [--ngram] [--temperature 0.7] [--no-hf]
+
+`--shapes` lists EAGLE-3 shapes as steps,topk,num_draft_tokens (topk 1: chain; > 1: EAGLE-2 tree), one
+row each. At `--temperature` > 0 every request is seeded, so every row must still equal the plain row.
 
 Reports tokens/s per row (median over repeats of the whole prompt set), ratios, τ (tokens per verify
 step) and the engine's per-step time split (target forward+sampling / commit / draft). Speculative rows
@@ -55,13 +59,13 @@ def hf_row(path, prompts, n) -> tuple[float, list[list[int]]]:
     return len(prompts) * n / (time.perf_counter() - t0), outs
 
 
-def engine_row(llm, prompts, n):
+def engine_row(llm, prompts, n, temperature=0.0):
     from tsengine.sampling import SamplingParams
 
     e = llm.engine
     st = e.stats
     before = (st.time_forward, st.time_commit, st.time_draft, st.steps, st.num_drafts, st.num_accepted)
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=1234)
     t0 = time.perf_counter()
     outs = [llm.generate([p], sp)[0].outputs[0].token_ids for p in prompts]  # batch 1: one request at a time
     dt = time.perf_counter() - t0
@@ -83,7 +87,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="steps of the random-head row")
+    ap.add_argument("--shapes", default="3,1,4", help="EAGLE-3 rows: steps,topk,num_draft_tokens[;...]")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ngram", action="store_true", help="also an NGRAM (prompt lookup) row, --steps tokens")
     ap.add_argument("--no-hf", action="store_true")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -92,8 +99,14 @@ def main() -> None:
     prompts = val_prompts(plain.tokenizer, args.prompts)
     rows = {"plain": plain}
     if args.draft:
-        rows["eagle3"] = LLM(path, max_num_seqs=1, speculative_config={
-            "method": "eagle3", "model": args.draft, "num_speculative_tokens": args.steps})
+        for shape in args.shapes.split(";"):
+            st, k, n = (int(x) for x in shape.split(","))
+            rows[f"eagle3 ({st},{k},{n})"] = LLM(path, max_num_seqs=1, speculative_config={
+                "method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
+                "num_draft_tokens": n})
+    if args.ngram:
+        rows[f"ngram ({args.steps})"] = LLM(path, max_num_seqs=1, speculative_config={
+            "method": "ngram", "num_speculative_tokens": args.steps})
     if args.random_head:
         from tsengine.eagle3.config import Eagle3Config
         from tsengine.eagle3.format import save_head
@@ -116,12 +129,13 @@ def main() -> None:
             tps, hf_out = hf_row(path, prompts, args.max_tokens)
             results["hf"].append(tps)
         for name, llm in rows.items():
-            tps, outs, split, tau, steps = engine_row(llm, prompts, args.max_tokens)
+            tps, outs, split, tau, steps = engine_row(llm, prompts, args.max_tokens, args.temperature)
             results[name].append(tps)
             info[name] = (outs, split, tau, steps)
         print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items() if v), flush=True)
     med = {k: statistics.median(v) for k, v in results.items() if v}
-    print(f"\n{len(prompts)} prompts x {args.max_tokens} new tokens, batch 1, greedy, "
+    mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seeded"
+    print(f"\n{len(prompts)} prompts x {args.max_tokens} new tokens, batch 1, {mode}, "
           f"median of {args.repeats} (tok/s); torch threads {torch.get_num_threads()}")
     print("| row | tok/s | vs HF | vs plain | τ | time split forward / commit / draft |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -136,8 +150,8 @@ def main() -> None:
     for k in rows:
         if k != "plain":
             same = sum(a == b for a, b in zip(info[k][0], base))
-            print(f"{k}: {same}/{len(base)} outputs equal plain greedy token for token")
-    if not args.no_hf:
+            print(f"{k}: {same}/{len(base)} outputs equal the plain row token for token")
+    if not args.no_hf and args.temperature == 0:
         same = sum(a == b for a, b in zip(hf_out, base))
         print(f"hf: {same}/{len(base)} outputs equal the engine's plain greedy (fp32 reduction order may differ)")
 

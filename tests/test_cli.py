@@ -79,11 +79,18 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     assert plain.stdout == spec.stdout and plain.stdout.strip()
     assert "tau" in spec.stderr and "tok/s" in plain.stderr
+    tree = run(*common, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+               "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6")
+    assert tree.returncode == 0 and tree.stdout == plain.stdout, tree.stderr
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--speculative-num-steps", "3", "--speculative-num-draft-tokens", "5"], "speculative_num_steps + 1 = 4"),
     (["--speculative-num-steps", "11"], "allowed: 1..10"),
+    (["--speculative-num-steps", "6", "--speculative-eagle-topk", "17", "--speculative-num-draft-tokens", "65"],
+     "speculative_eagle_topk is 17; allowed: 1..16\n  - speculative_num_draft_tokens is 65; allowed: 2..64"),
+    (["--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+     "16 draft lanes exceed speculative_num_draft_tokens 8"),
     (["--speculative-config", '{"method": "eagle3", "model": "h", "num_speculative_tokens": 2}',
       "--speculative-num-steps", "3"], "conflicts"),
     (["--speculative-config", "{nope"], "not valid JSON"),

@@ -1,6 +1,6 @@
 """Paged attention: the torch reference backend and the dispatch to the Triton kernels.
 
-Semantics every backend implements (and tests/test_attention.py checks against a dense loop): token t of
+Semantics every backend implements (and tests/test_triton_attention.py checks against a dense float64 loop): token t of
 request b at absolute position p attends to KV positions 0..p of request b; KV position j lives in slot
 block_tables[b, j // block_size] * block_size + j % block_size. A verify window is therefore just a run of
 consecutive positions, exactly like a prefill chunk.
@@ -31,9 +31,16 @@ def _dense_plan(ctx: Context, block_size: int, device, dtype):
         j = torch.arange(ctx.max_ctx, device=device)
         slots = (ctx.block_tables[:, j // block_size] * block_size + j % block_size).flatten()  # [B * ctx]
         local = torch.arange(ctx.num_tokens, device=device) - ctx.query_start[ctx.seq_index]
-        qpos = torch.zeros(b, ctx.max_q, dtype=torch.long, device=device)
-        qpos[ctx.seq_index, local] = ctx.positions
-        mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < ctx.context_lens[:, None, None])
+        if ctx.tree_anc is None:
+            qpos = torch.zeros(b, ctx.max_q, dtype=torch.long, device=device)
+            qpos[ctx.seq_index, local] = ctx.positions
+            mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < ctx.context_lens[:, None, None])
+        else:  # below the window: all; inside: the token's bits (itself and its ancestors)
+            rel = j[None] - ctx.tree_start[:, None]
+            seen = (rel < 0) | ((rel < 64) & (((ctx.tree_anc[:, None] >> rel.clamp(0, 63)) & 1) == 1))
+            seen &= j[None] < ctx.context_lens[ctx.seq_index][:, None]
+            mask = (j == 0)[None, None].expand(b, ctx.max_q, ctx.max_ctx).clone()  # padding rows see index 0
+            mask[ctx.seq_index, local] = seen
         # Additive float mask, built once (SDPA would convert a bool mask in every layer). One request
         # decoding one token sees its whole gathered context: no mask at all.
         if b == 1 and ctx.max_q == 1 and ctx.exact_ctx:
@@ -52,12 +59,19 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     slots, local, mask = _dense_plan(ctx, k_cache.shape[1], q.device, q.dtype)
     b = ctx.block_tables.shape[0]
     nkv, d = k_cache.shape[2:]
-    if ctx.dense_base is not None:  # one request, consecutive blocks (the usual batch-1 case): a view, no copy
+    gqa = nkv != q.shape[1]
+    if ctx.dense_base is not None:
+        # One request whose blocks are consecutive (the usual batch-1 case): its KV is a view of the cache
+        # and its tokens need no padding. Fewest ops: each costs ~10 µs of dispatch on a small CPU.
         span = slice(ctx.dense_base, ctx.dense_base + ctx.max_ctx)
-        k, v = k_cache.view(-1, nkv, d)[span][None].to(q.dtype), v_cache.view(-1, nkv, d)[span][None].to(q.dtype)
-    else:
-        k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
-        v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
+        k, v = k_cache.view(-1, nkv, d)[span], v_cache.view(-1, nkv, d)[span]
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)
+    k = k_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
+    v = v_cache.view(-1, nkv, d).index_select(0, slots).view(b, ctx.max_ctx, nkv, d).to(q.dtype)
     decode = ctx.max_q == 1 and b == ctx.num_tokens  # one token per request: nothing to pad
     if decode:
         qp = q[:, None]
@@ -65,7 +79,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qp = q.new_zeros(b, ctx.max_q, *q.shape[1:])
         qp[ctx.seq_index, local] = q
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=nkv != q.shape[1])
+                                       attn_mask=mask, scale=scale, enable_gqa=gqa)
     o = o.transpose(1, 2)
     return o[:, 0] if decode else o[ctx.seq_index, local]
 

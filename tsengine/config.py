@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tsengine.errors import UserError, fail_if
 
-ALGORITHMS = ("EAGLE3",)
+ALGORITHMS = ("EAGLE3", "NGRAM")
 
 
 class _Strict(BaseModel):
@@ -23,20 +23,52 @@ class _Strict(BaseModel):
 
 
 class SpeculativeConfig(_Strict):
-    algorithm: Literal["EAGLE3"] = "EAGLE3"
-    draft_model_path: str
-    num_steps: int = Field(3, ge=1, le=10)
-    eagle_topk: int = Field(1, ge=1, le=16)
+    algorithm: Literal["EAGLE3", "NGRAM"] = "EAGLE3"
+    draft_model_path: str | None = None  # EAGLE3's head directory
+    num_steps: int = 3  # ranges are checked in `checked`, so that one error lists every violation
+    eagle_topk: int = 1
     num_draft_tokens: int | None = None
+    prompt_lookup_min: int = Field(1, ge=1)  # NGRAM: shortest suffix n-gram to look up
+    prompt_lookup_max: int = Field(4, ge=1)  # NGRAM: longest
+
+    @property
+    def is_tree(self) -> bool:
+        return self.eagle_topk > 1
 
     def checked(self) -> "SpeculativeConfig":
+        """Every violation at once. The rules: a chain verifies the root plus every draft (N = S+1); a tree
+        needs its node budget N given; its draft lanes, (S-1)·K frontier nodes, live in the N slots the
+        target verifies next; it cannot keep more nodes than S steps of top-K make (1 + K + (S-1)·K²);
+        the ancestor bitmask of a window is 64 bits (N ≤ 64)."""
         n, s, k = self.num_draft_tokens, self.num_steps, self.eagle_topk
         problems = []
-        if k != 1:
-            problems.append(f"speculative_eagle_topk is {k}; only 1 (chain drafting) is supported so far")
-        if n is not None and k == 1 and n != s + 1:
-            problems.append(f"speculative_num_draft_tokens is {n}; a chain (eagle_topk 1) verifies the root plus "
-                            f"every draft: it must equal speculative_num_steps + 1 = {s + 1}")
+        if not 1 <= s <= 10:
+            problems.append(f"speculative_num_steps is {s}; allowed: 1..10")
+        if not 1 <= k <= 16:
+            problems.append(f"speculative_eagle_topk is {k}; allowed: 1..16")
+        if n is None and k > 1:
+            problems.append("speculative_num_draft_tokens must be given for a tree (eagle_topk > 1): the number "
+                            "of nodes verified, root included")
+        if n is not None:
+            if not 2 <= n <= 64:
+                problems.append(f"speculative_num_draft_tokens is {n}; allowed: 2..64 (nodes including the root)")
+            if k == 1 and n != s + 1:
+                problems.append(f"speculative_num_draft_tokens is {n}; a chain (eagle_topk 1) verifies the root "
+                                f"plus every draft: it must equal speculative_num_steps + 1 = {s + 1}")
+            if k > 1 and (s - 1) * k > n:
+                problems.append(f"(speculative_num_steps - 1) * speculative_eagle_topk = {(s - 1) * k} draft lanes "
+                                f"exceed speculative_num_draft_tokens {n}: the frontier nodes are drafted in the "
+                                "slots the target verifies next")
+            if k > 1 and n > 1 + k + (s - 1) * k * k:
+                problems.append(f"speculative_num_draft_tokens {n} exceeds what {s} steps of top-{k} can draft: "
+                                f"1 + K + (S-1)*K^2 = {1 + k + (s - 1) * k * k}")
+        if self.algorithm == "EAGLE3" and not self.draft_model_path:
+            problems.append("speculative decoding with EAGLE3 needs a draft model: --speculative-draft-model-path "
+                            "DIR (or \"model\" in --speculative-config)")
+        if self.algorithm == "NGRAM" and self.draft_model_path:
+            problems.append("speculative_draft_model_path is set but NGRAM uses no draft model")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            problems.append(f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}")
         fail_if(problems, "invalid speculative decoding settings")
         return self if n is not None else self.model_copy(update={"num_draft_tokens": s + 1})
 
@@ -59,7 +91,8 @@ class SpeculativeConfig(_Strict):
                 raise UserError("--speculative-config must be a JSON object")
             names = {"method": "algorithm", "model": "draft_model_path", "num_speculative_tokens": "num_steps",
                      "num_steps": "num_steps", "eagle_topk": "eagle_topk", "topk": "eagle_topk",
-                     "num_draft_tokens": "num_draft_tokens"}
+                     "num_draft_tokens": "num_draft_tokens", "prompt_lookup_min": "prompt_lookup_min",
+                     "prompt_lookup_max": "prompt_lookup_max"}
             problems = []
             for key, value in config_json.items():
                 if key not in names:
@@ -67,7 +100,7 @@ class SpeculativeConfig(_Strict):
                     continue
                 field = names[key]
                 if field == "algorithm" and isinstance(value, str):
-                    value = {"eagle3": "EAGLE3", "eagle-3": "EAGLE3"}.get(value.lower(), value)
+                    value = {"eagle3": "EAGLE3", "eagle-3": "EAGLE3", "ngram": "NGRAM"}.get(value.lower(), value)
                 if field in flags and flags[field] != value:
                     problems.append(f"speculative_config {key}={value!r} conflicts with the flag for {field} "
                                     f"({flags[field]!r}); give it once")
@@ -78,9 +111,6 @@ class SpeculativeConfig(_Strict):
         if merged.get("algorithm", "EAGLE3") not in ALGORITHMS:
             raise UserError(f"speculative algorithm {merged['algorithm']!r} is not supported; allowed: "
                             f"{', '.join(ALGORITHMS)}")
-        if "draft_model_path" not in merged:
-            raise UserError("speculative decoding needs a draft model: --speculative-draft-model-path DIR "
-                            "(or \"model\" in --speculative-config)")
         try:
             return SpeculativeConfig(**merged).checked()
         except ValidationError as e:

@@ -26,6 +26,11 @@ class Context:
     exact_ctx: bool = True  # max_ctx is the true longest context (False: an upper bound, see one_each)
     dense_base: int | None = None  # one request whose blocks are consecutive: its KV is slots base.. (a view)
     memo: dict = field(default_factory=dict)  # per-forward values every layer shares (the torch backend's plan)
+    # Tree windows (None when the step has none). A token sees every KV index below its window's start and,
+    # inside the window, the indices whose bit is set: itself and its ancestors. A plain token's window
+    # starts at its own index with only its own bit, which is causal attention.
+    tree_start: torch.Tensor | None = None  # [T] long: KV index where the token's window starts
+    tree_anc: torch.Tensor | None = None  # [T] int64: visible window slots as bits (N ≤ 64)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +59,30 @@ class Context:
         consecutive = len(runs) == 1 and bt == list(range(bt[0], bt[0] + len(bt)))
         return Context(t(positions), t(seq_index), t(slots), t(tables), t(lens), t(starts),
                        max(n for _, _, n in runs), max(lens), dense_base=bt[0] * block_size if consecutive else None)
+
+    def set_trees(self, rows: torch.Tensor, start: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor) -> None:
+        """Turn runs built by `build` into tree windows: `rows` [W, N] flat token indices of each window,
+        `start` [W] its first KV index, `depths`/`anc` [W, N]. Position follows depth, slot follows node
+        index: RoPE and the draws see prefix length + depth, while the KV keeps the slot `build` gave it."""
+        self.tree_start = self.positions.clone()
+        self.tree_anc = torch.ones_like(self.positions)
+        self.positions = self.positions.clone()
+        self.positions[rows] = start[:, None] + depths
+        self.tree_start[rows] = start[:, None].expand_as(rows)
+        self.tree_anc[rows] = anc
+        self.memo.clear()
+
+    @staticmethod
+    def lanes(block_tables: torch.Tensor, positions: torch.Tensor, kv_index: torch.Tensor, start: torch.Tensor,
+              anc: torch.Tensor, block_size: int) -> "Context":
+        """A draft-tree step: K nodes per request ([D, K] positions, KV indices and bits; `start` [D]), built
+        on the device. `max_ctx` is the table width, an upper bound."""
+        d, k = positions.shape
+        seq = torch.arange(d, device=positions.device)[:, None].expand(d, k)
+        slots = block_tables[seq, kv_index // block_size] * block_size + kv_index % block_size
+        return Context(positions.flatten(), seq.flatten(), slots.flatten(), block_tables, kv_index.amax(1) + 1,
+                       torch.arange(d + 1, device=positions.device) * k, k, block_tables.shape[1] * block_size,
+                       exact_ctx=False, tree_start=start[:, None].expand(d, k).flatten(), tree_anc=anc.flatten())
 
     @staticmethod
     def one_each(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> "Context":

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tsengine import kv_cache
 from tsengine.config import EngineConfig
 from tsengine.context import Context
 from tsengine.errors import UserError
 from tsengine.metrics import Stats
-from tsengine.runner import Runner
+from tsengine.runner import Runner, reserve_slots
 from tsengine.sampling import RowParams, SamplingParams, sample
 from tsengine.scheduler import Scheduler
 from tsengine.sequence import Sequence, Status
@@ -55,8 +56,11 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         s = config.speculative
         self.spec_steps = s.num_steps if s else 0
+        self.window = s.num_draft_tokens if s else 1  # N: the root plus the drafts
+        self.tree = bool(s and s.is_tree)
+        self._chain_parents = (torch.arange(self.window, device=self.runner.device) - 1).clamp(min=0)
         self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.spec_steps)
+                                   self.window, reserve_slots(s))
         self.requests: dict[str, Sequence] = {}
         self.stats = Stats(self.spec_steps)
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -94,15 +98,19 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        r, dev, S = self.runner, self.runner.device, self.spec_steps
-        ids, runs, draft_slots, drafts, rows, row_seq, row_pos, vstart = [], [], [], [], [], [], [], []
+        r, dev, S, N = self.runner, self.runner.device, self.spec_steps, self.window
+        long = dict(dtype=torch.long, device=dev)
+        ids, runs, draft_slots, drafts, rows, row_seq, row_pos = [], [], [], [], [], [], []
+        vstart, vbase, vseqs = [], [], []  # per verify window: first sampled row, first token index, sequence
         for s in batch:
             seq, base = s.seq, len(ids)
             runs.append((seq.table, s.start, s.num_tokens))
             if s.verify:
-                ids.extend([seq.tokens[-1]] + [0] * S)
-                draft_slots.extend(range(base + 1, base + 1 + S))
+                ids.extend([seq.tokens[-1]] + [0] * (N - 1))
+                draft_slots.extend(range(base + 1, base + N))
                 drafts.append(seq.drafts)
+                vbase.append(base)
+                vseqs.append(seq)
             else:
                 ids.extend(seq.tokens[s.start:s.start + s.num_tokens])
             if s.samples:  # rows whose logits draw a token: the whole window, or the chunk's last row
@@ -114,50 +122,71 @@ class Engine:
                 row_pos.extend(range(s.start + (first - base) + 1, s.start + s.num_tokens + 1))
         input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
         if drafts:
-            input_ids[torch.tensor(draft_slots, dtype=torch.long, device=dev)] = torch.cat(drafts)
+            input_ids[torch.tensor(draft_slots, **long)] = torch.cat(drafts)
         ctx = Context.build(runs, r.block_size, dev)
+        row_pos = torch.tensor(row_pos, **long)
+        if drafts:
+            vrow = torch.tensor(vstart, **long)[:, None] + torch.arange(N, device=dev)  # [W, N] sampled rows
+            if self.tree:  # position follows depth (RoPE and draws), slot follows node index
+                parents, depths, anc = (torch.stack(x) for x in zip(*(q.tree for q in vseqs)))
+                starts = torch.tensor([q.num_cached for q in vseqs], **long)
+                ctx.set_trees(torch.tensor(vbase, **long)[:, None] + torch.arange(N, device=dev), starts, depths, anc)
+                row_pos[vrow] = starts[:, None] + depths + 1
+            else:
+                parents = self._chain_parents.expand(len(vseqs), N)
         hidden, aux = r.model(input_ids, ctx, r.kv)
         rp = RowParams.build([q.params for q in row_seq], [q.seed for q in row_seq], dev)
-        long = dict(dtype=torch.long, device=dev)
-        draws = sample(r.model.logits(hidden[torch.tensor(rows, **long)]), rp, torch.tensor(row_pos, **long))
-        accept = None
-        if drafts:  # each verify window's S + 1 sampled rows: accept the drafts' longest matching prefix
-            vrow = torch.tensor(vstart, device=dev)[:, None] + torch.arange(S + 1, device=dev)
-            accept = (torch.stack(drafts) == draws[vrow[:, :S]]).long().cumprod(1).sum(1)
+        draws = sample(r.model.logits(hidden[torch.tensor(rows, **long)]), rp, row_pos)
+        ok = None
+        if drafts:  # a node is accepted when its token is its parent's draw and its parent is accepted
+            d = draws[vrow]
+            match = torch.cat([torch.ones_like(d[:, :1], dtype=torch.bool),
+                               torch.stack(drafts) == d.gather(1, parents)[:, 1:]], dim=1)
+            ok = match
+            for _ in range(S):  # one level deeper per pass (depth ≤ S); a chain is the cumulative product
+                ok = match & ok.gather(1, parents)
         t1 = time.perf_counter()
         # The one host sync of the step: stop rules and the scheduler need the tokens.
         draws_h = draws.tolist()
-        accept_h = accept.tolist() if accept is not None else []
-        outputs, ext, i, v = [], [], 0, 0
+        ok_h = ok.tolist() if ok is not None else []
+        outputs, ext, moves, i, v = [], [], [], 0, 0
         for s in batch:
-            seq = s.seq
+            seq, base = s.seq, vbase[v] if s.verify else None
+            if s.verify:
+                path = [j for j, good in enumerate(ok_h[v]) if good]  # the accepted path, root first (DFS order)
+                v += 1
+                a = len(path) - 1
+                new = [draws_h[i + j] for j in path]
+                i += N
+            elif s.samples:
+                new = [draws_h[i]]
+                i += 1
+            else:
+                new = []
             if seq.status is Status.FINISHED:  # aborted meanwhile
                 continue
             if s.verify:
-                a = accept_h[v]
-                v += 1
-                new = draws_h[i:i + a + 1]
-                i += S + 1
                 seq.num_cached += a + 1
                 seq.verify_steps += 1
                 seq.accepted += a
                 self.stats.verified(a)
             else:
                 seq.num_cached += s.num_tokens
-                new = [draws_h[i]] if s.samples else []
-                i += 1 if s.samples else 0
             kept, reason = self._append(seq, new)
             if reason:
                 self.scheduler.finish(seq, reason)
                 self.requests.pop(seq.request_id, None)
             else:
+                if s.verify and path[-1] != a:  # one owner for the accepted path: it moves to slots start..start+a
+                    moves.append((seq.table, s.start, path))
                 self.scheduler.trim(seq)
                 if S:
-                    n_ext = (a + 1) if s.verify else s.num_tokens
-                    ext.append((s, n_ext))
+                    ext.append((s, [base + j for j in path] if s.verify else None))
             if kept or reason:
                 outputs.append(StepOutput(seq.request_id, kept, reason is not None, reason, s.verify,
                                           a if s.verify else 0))
+        if moves:
+            self._move_paths(moves)
         t2 = time.perf_counter()
         if ext:
             self._draft(ext, batch, aux, dev)
@@ -165,6 +194,18 @@ class Engine:
             self.scheduler.check()
         self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
         return outputs
+
+    def _move_paths(self, moves: list) -> None:
+        """Accepted tree nodes sit at their node's slot (start + node); move them to start + depth so that
+        everything downstream sees a chain. Trimmed blocks are not reused before this (same step)."""
+        bs, src, dst = self.runner.block_size, [], []
+        for table, start, path in moves:
+            for depth, node in enumerate(path):
+                if node != depth:
+                    src.append(table[(start + node) // bs] * bs + (start + node) % bs)
+                    dst.append(table[(start + depth) // bs] * bs + (start + depth) % bs)
+        long = dict(dtype=torch.long, device=self.runner.device)
+        kv_cache.move_slots(self.runner.kv_buf, torch.tensor(src, **long), torch.tensor(dst, **long))
 
     def _append(self, seq: Sequence, new: list[int]) -> tuple[list[int], str | None]:
         """Commit `new` tokens up to the first stop; returns (kept tokens, finish reason or None)."""
@@ -180,16 +221,22 @@ class Engine:
         return kept, None
 
     def _draft(self, ext: list, batch: list, aux: torch.Tensor, dev) -> None:
-        """Extend the draft cache over each run's committed positions; draft for those that sampled."""
+        """Extend the draft cache over each run's committed positions (with the target features of the
+        rows that produced them: a verify window's accepted path, or a prefill chunk's tokens), then draft
+        for the runs that sampled. NGRAM has no cache: it looks up the committed tokens."""
+        if self.config.speculative.algorithm == "NGRAM":
+            self.runner.drafter.draft([s.seq for s, _ in ext if s.samples])
+            return
         runs, rows, ids, last, need = [], [], [], [], []
         offsets, off = {}, 0
         for s in batch:
             offsets[s.seq.sid] = off
             off += s.num_tokens
-        for s, n in ext:
-            seq, base = s.seq, offsets[s.seq.sid]
+        for s, path_rows in ext:
+            seq = s.seq
+            n = len(path_rows) if path_rows is not None else s.num_tokens
             runs.append((seq.table, s.start, n))
-            rows.extend(range(base, base + n))
+            rows.extend(path_rows if path_rows is not None else range(offsets[seq.sid], offsets[seq.sid] + n))
             ids.extend(seq.tokens[s.start + 1:s.start + n + 1])
             if s.samples:
                 last.append(len(rows) - 1)
@@ -203,4 +250,7 @@ class Engine:
         out = r.drafter.extend_and_draft(torch.tensor(ids, **long), aux[torch.tensor(rows, **long)], ctx,
                                          torch.tensor(last, dtype=torch.long, device=dev), tables, rp)
         for j, q in enumerate(need):
-            q.drafts = out[j]
+            if self.tree:
+                q.drafts, q.tree = out.tokens[j, 1:], (out.parents[j], out.depths[j], out.ancestors[j])
+            else:
+                q.drafts = out[j]

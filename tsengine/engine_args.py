@@ -38,11 +38,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--debug-checks", action="store_true", help="run the block/scheduler invariants every step")
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE3"])
+    s.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE3", "NGRAM"],
+                   help="EAGLE3 (a trained head) or NGRAM (prompt lookup in the request's own tokens)")
     s.add_argument("--speculative-draft-model-path", help="EAGLE-3 head directory (export format)")
-    s.add_argument("--speculative-num-steps", type=_int_in(1, 10))
-    s.add_argument("--speculative-eagle-topk", type=_int_in(1, 16))
-    s.add_argument("--speculative-num-draft-tokens", type=_int_in(2, 64))
+    # ranges are checked together in SpeculativeConfig (one error lists every violation)
+    s.add_argument("--speculative-num-steps", type=int, help="draft forwards per step (1..10)")
+    s.add_argument("--speculative-eagle-topk", type=int, help="children per expansion: 1 = chain, > 1 = tree (1..16)")
+    s.add_argument("--speculative-num-draft-tokens", type=int,
+                   help="nodes verified per step, root included (2..64); a chain: steps + 1; required for a tree")
     s.add_argument("--speculative-config", help='vLLM-style JSON, e.g. {"method": "eagle3", "model": DIR, '
                                                 '"num_speculative_tokens": 3}')
 

@@ -83,10 +83,17 @@ def bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, 
 
 
 def allocate(num_blocks: int, block_size: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
-    """[(k, v)] per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
-    shape = (layers, 2, num_blocks, block_size, kv_heads, head_dim)
-    buf = torch.zeros(shape, dtype=dtype, device=device)
-    return [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+    """One buffer [layers, 2, num_blocks, block_size, kv_heads, head_dim]; its (k, v) views per layer."""
+    buf = torch.zeros((layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device)
+    return buf, [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+
+
+def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the KV at flat slots `src` to slots `dst` in every layer, K and V, in one gather and one
+    scatter (an accepted tree path moving into consecutive slots). `src` and `dst` may overlap: the
+    gather completes before the scatter."""
+    flat = buf.view(buf.shape[0] * 2, -1, buf.shape[-2] * buf.shape[-1])
+    flat[:, dst] = flat[:, src]
 
 
 def plan_blocks(budget_bytes: int, per_block: int, block_size: int, max_model_len: int) -> int:

@@ -38,6 +38,13 @@ def _eos_ids(path: str, tok, hf) -> list[int]:
     return ids
 
 
+def reserve_slots(spec) -> int:
+    """KV positions a request holds past its tokens: a chain's verify window reaches S past the last token
+    and its draft chain after a full accept writes up to 2S-1 past it; a tree's window (and the draft
+    lanes inside it) reaches N-1 past it."""
+    return 0 if spec is None else max(2 * spec.num_steps, spec.num_draft_tokens)
+
+
 class Runner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -72,11 +79,14 @@ class Runner:
         spec = config.speculative
         self.head = None
         aux_ids = ()
-        if spec is not None:
+        if spec is not None and spec.algorithm == "EAGLE3":
             from tsengine.eagle3.format import load_head
 
             self.head = load_head(spec.draft_model_path, target=hf, device=self.device, dtype=self.dtype)
             aux_ids = self.head.config.aux_layer_ids
+        from tsengine import support
+
+        support.check(self.backend, spec, self.head.config.draft_vocab_size if self.head is not None else None)
         self.model = load_model(path, hf, self.dtype, self.device, aux_ids, self.backend, self.max_model_len)
         if self.head is not None and self.head.embed_tokens is None:
             self.head.bind_embeddings(self.model.embed)
@@ -90,7 +100,7 @@ class Runner:
         if self.head is not None:
             h = self.head.config
             per += kv_cache.bytes_per_block(c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype)
-        reserve = 2 * spec.num_steps if spec else 0
+        reserve = reserve_slots(spec)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - (1 - c.gpu_memory_utilization) * total)
@@ -102,14 +112,19 @@ class Runner:
             budget = c.num_kv_blocks * per
         n = kv_cache.plan_blocks(budget, per, c.block_size, self.max_model_len + reserve)
         self.blocks = kv_cache.BlockManager(n, c.block_size)
-        self.kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+        self.kv_buf, self.kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                     self.dtype, self.device)
         self.drafter = None
+        if spec is not None and spec.algorithm == "NGRAM":
+            from tsengine.spec.ngram import NgramDrafter
+
+            self.drafter = NgramDrafter(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, self.device)
         if self.head is not None:
             from tsengine.spec.eagle3 import Eagle3Drafter
 
             h = self.head.config
-            dkv = kv_cache.allocate(n, c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype, self.device)[0]
-            self.drafter = Eagle3Drafter(self.head, spec.num_steps, dkv, c.block_size, self.backend)
+            dkv = kv_cache.allocate(n, c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype, self.device)[1][0]
+            self.drafter = Eagle3Drafter(self.head, spec.num_steps, dkv, c.block_size, self.backend, spec.eagle_topk,
+                                         spec.num_draft_tokens)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB incl. draft), backend %s, dtype %s, device %s",
                  n, c.block_size, n * per / 2**20, self.backend, self.dtype, self.device)

@@ -6,9 +6,8 @@ the token budget, the request cap and the free blocks allow. When a running requ
 the newest running request is preempted (its blocks freed, recomputed later; seeded sampling keys by
 position, so recompute gives the same tokens). A step never crashes for lack of blocks and never leaks.
 
-Blocks reserved per request: `len(tokens) + reserve` positions, where reserve = 2·S with speculation
-(the verify window reaches S past the last token, and the draft chain after a full accept writes up to
-2S−1 past it) and 0 without.
+Blocks reserved per request: `len(tokens) + reserve` positions (`runner.reserve_slots`: 2·S for a chain,
+max(2·S, N) for a tree of N nodes, 0 without speculation).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from tsengine.sequence import Sequence, Status
 class Scheduled:
     seq: Sequence
     start: int  # first position forwarded (== seq.num_cached)
-    num_tokens: int  # tokens of the prompt/prefix forwarded, or 1 + S for a verify window
+    num_tokens: int  # tokens of the prompt/prefix forwarded, or N for a verify window
     verify: bool  # a decode window (last token + drafts)
     samples: bool = False  # the target draws a token: a verify window or the chunk reaching the last token
 
@@ -33,10 +32,11 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, spec_steps: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, window: int,
+                 reserve: int):
+        """`window`: tokens of a verify window (N: the root plus the drafts), 1 without speculation."""
         self.blocks, self.max_num_seqs, self.budget = blocks, max_num_seqs, max_num_batched_tokens
-        self.spec_steps = spec_steps
-        self.reserve = 2 * spec_steps
+        self.window, self.reserve = window, reserve
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -54,7 +54,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             if seq.decoding:
-                n = 1 + (self.spec_steps if seq.drafts is not None else 0)
+                n = self.window if seq.drafts is not None else 1
                 if n > budget:
                     self.running.append(seq)  # keeps its place; decodes next step
                     continue

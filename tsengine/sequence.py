@@ -37,6 +37,7 @@ class Sequence:
     table: list[int] = field(default_factory=list)
     num_cached: int = 0
     drafts: torch.Tensor | None = None
+    tree: tuple | None = None  # (parents, depths, ancestor bits), each [N] on the device; None for a chain
     finish_reason: str | None = None
     num_preempted: int = 0
     verify_steps: int = 0
@@ -59,5 +60,5 @@ class Sequence:
 
     def preempt(self) -> None:
         """Recompute later: KV dropped, the tokens so far become the prefix to prefill again."""
-        self.status, self.num_cached, self.drafts = Status.WAITING, 0, None
+        self.status, self.num_cached, self.drafts, self.tree = Status.WAITING, 0, None, None
         self.num_preempted += 1

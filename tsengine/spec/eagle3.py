@@ -7,6 +7,10 @@ when [a, b) is a non-final prefill chunk (the chunk-boundary case vLLM and SGLan
 tests/test_engine.py::test_chunked_prefill_eagle) and the freshly sampled token otherwise. The last
 extended row then starts the chain: step k feeds (draft k-1, the head's own output) at the next position.
 
+With eagle_topk K > 1 the head grows an EAGLE-2 dynamic tree instead (`tsengine/spec/tree.py`): the
+root's K best children, then S-1 expansions of the K best frontier nodes, each fed at position
+root + depth into its own lane of the draft cache, seeing the prefix and its ancestors' lanes.
+
 Draft choices use the same keyed Gumbel noise as the target's draw at that position (restricted to the
 draft vocab), so when the draft's distribution is close to the target's, the draft picks the very token
 the target will sample; greedy requests take the plain argmax. Either way only the target decides.
@@ -21,11 +25,14 @@ from tsengine.context import Context
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.linear import accelerate
 from tsengine.sampling import RowParams, gumbel
+from tsengine.spec.tree import Tree, TreeBuilder
 
 
 class Eagle3Drafter:
-    def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str):
+    def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str, topk: int = 1,
+                 num_nodes: int | None = None):
         self.head, self.steps, self.kv, self.block_size, self.backend = accelerate(head), num_steps, kv, block_size, backend
+        self.topk, self.num_nodes = topk, num_nodes or num_steps + 1
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
 
@@ -51,17 +58,50 @@ class Eagle3Drafter:
             pick = logits.argmax(-1)
         return self.draft_ids_in_target[pick]
 
+    def _scores(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor) -> torch.Tensor:
+        """Tree ranking scores over the draft vocab: log-softmax of the logits, perturbed for sampled rows
+        by the target's own noise at `positions`, so the target's likely draw ranks first."""
+        logits = self.head.logits(out).float()
+        if not rp.all_greedy:
+            t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature))
+            noisy = logits / t[:, None] + gumbel(rp.seeds, positions, self.head.config.vocab_size)[:, self.draft_ids_in_target]
+            logits = torch.where(rp.temperature[:, None] > 0, noisy, logits)
+        return torch.log_softmax(logits, dim=-1)
+
+    def _tree(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams) -> Tree:
+        """EAGLE-2 tree from the root rows `hidden` [D, H] at draft positions `pos` [D]: node at depth d is
+        fed at pos + d, into lane (d-1)·K + j at KV index pos + 1 + lane; its children are drawn at pos + 2 + d."""
+        (d, h), k, dev = hidden.shape, self.topk, hidden.device
+        tb = TreeBuilder(d, k, self.steps, self.num_nodes, dev)
+        tb.root(self._scores(hidden, rp, pos + 2))
+        parent_out = hidden[:, None].expand(d, k, h)
+        rows = torch.arange(d, device=dev).repeat_interleave(k)
+        rpk, lane = rp.index(rows), torch.arange(k, device=dev)
+        for s in range(1, self.steps):
+            ctx = Context.lanes(tables, (pos + s)[:, None].expand(d, k), (pos + 1)[:, None] + (s - 1) * k + lane,
+                                pos + 1, tb.frontier_lane_bits(), self.block_size)
+            ids = self.draft_ids_in_target[tb.frontier_tokens()].flatten()
+            out = self._layer(ids, parent_out.reshape(d * k, h), ctx).view(d, k, h)
+            fed = tb.expand(self._scores(out.flatten(0, 1), rpk, pos[rows] + 2 + s).view(d, k, -1))
+            parent_out = out.gather(1, fed[..., None].expand(d, k, h))
+        tree, _ = tb.finish()
+        tree.tokens = self.draft_ids_in_target[tree.tokens]
+        return tree
+
     @torch.no_grad()
     def extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
                          tables: torch.Tensor, rp: RowParams) -> torch.Tensor | None:
         """Extend the draft cache over ctx's runs, then draft `steps` tokens for the requests whose last
         extended row is `last_rows` [D] (their block tables `tables` [D, M], sampling rows `rp`).
-        Returns [D, steps] target ids, or None when no request drafts."""
+        Returns [D, steps] target ids (a chain), a `Tree` of target ids (topk > 1), or None when no
+        request drafts."""
         out = self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx)
         if last_rows.numel() == 0:
             return None
         hidden = out[last_rows]
         pos = ctx.positions[last_rows]  # draft position of the chain's first input; it drafts token pos + 2
+        if self.topk > 1:
+            return self._tree(hidden, pos, tables, rp)
         drafts = [self._choose(hidden, rp, pos + 2)]
         for _ in range(1, self.steps):
             pos = pos + 1

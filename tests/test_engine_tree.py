@@ -1,0 +1,221 @@
+"""Tree speculation in the engine against its oracles: plain greedy and seeded plain sampling (token for
+token, mixed batches, chunked prefill), the reference drafter's trees, a dense attention loop for tree
+windows, and the validation / support errors (docs/design/tree-speculation.md)."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from infer.reference import ReferenceSpeculator, SpecShape
+from tests.test_engine import PROMPTS, _greedy_truth, heads  # noqa: F401  (the fixture)
+from tests.test_triton_attention import dense_attention
+from tsengine.attention import paged_attention_torch
+from tsengine.config import SpeculativeConfig
+from tsengine.context import Context
+from tsengine.errors import UserError
+from tsengine.llm import LLM
+from tsengine.sampling import SamplingParams
+
+SHAPES = [(3, 2, 6), (4, 3, 10), (2, 4, 7)]  # (steps, topk, num_draft_tokens)
+
+
+def make_llm(tiny_dirs, kind="llama", head=None, shape=(3, 2, 6), **kw):
+    kw = {"debug_checks": True, "block_size": 4, "max_num_batched_tokens": 24, **kw}
+    spec = None
+    if head:
+        s, k, n = shape
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": s, "eagle_topk": k,
+                "num_draft_tokens": n}
+    return LLM(str(tiny_dirs[kind]), speculative_config=spec, **kw)
+
+
+class OracleTreeDrafts:
+    """Keep the drafted tree's shape, but put the known continuation on the path to one random node (any
+    depth, anywhere in depth-first order) and wrong, distinct tokens everywhere else. Every accept length
+    occurs, and accepted paths off the first-child line exercise the KV move."""
+
+    def __init__(self, engine, truth: dict[tuple, list[int]], seed=0, vocab=256):
+        self.engine, self.truth, self.rng, self.vocab = engine, truth, random.Random(seed), vocab
+        self.inner, self.moved = engine._draft, 0
+        engine._draft = self
+        inner_move = engine._move_paths
+
+        def count(moves):
+            self.moved += len(moves)
+            inner_move(moves)
+        engine._move_paths = count
+
+    def __call__(self, *args):
+        self.inner(*args)
+        for seq in self.engine.scheduler.running:
+            if seq.drafts is None:
+                continue
+            parents, depths = seq.tree[0].tolist(), seq.tree[1].tolist()
+            cont = self.truth[tuple(seq.tokens[:seq.prompt_len])][seq.num_output:] + [0] * 16
+            target = self.rng.randrange(len(parents))  # 0: nothing on the path is right
+            path = set()
+            node = target
+            while node:
+                path.add(node)
+                node = parents[node]
+            tokens = []
+            for i in range(1, len(parents)):
+                right = cont[depths[i] - 1]
+                tokens.append(right if i in path else (right + 1 + i) % self.vocab)
+            seq.drafts = torch.tensor(tokens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_tree_greedy_equals_greedy_mixed_batch(tiny_dirs, heads, kind, shape):  # noqa: F811
+    truth = _greedy_truth(tiny_dirs, kind, 40)
+    llm = make_llm(tiny_dirs, kind, heads[kind], shape)
+    oracle = OracleTreeDrafts(llm.engine, truth, seed=shape[1])
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for p, o in zip(PROMPTS, out):
+        assert o.outputs[0].token_ids == truth[tuple(p)]
+    st = llm.engine.stats
+    assert st.num_accepted > 0 and st.accepted_per_pos[-1] > 0, "never accepted to full depth"
+    assert oracle.moved > 0, "no accepted path needed moving: the KV move went untested"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tree_seeded_sampling_is_identical_to_plain(tiny_dirs, heads, kind):  # noqa: F811
+    params = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=11),
+              SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_tokens=25, ignore_eos=True, seed=5),
+              SamplingParams(temperature=0.7, min_p=0.05, max_tokens=30, ignore_eos=True, seed=2**40 + 3),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    plain = make_llm(tiny_dirs, kind).generate(PROMPTS, params)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain)}
+    for shape in SHAPES[:2]:
+        llm = make_llm(tiny_dirs, kind, heads[kind], shape)
+        OracleTreeDrafts(llm.engine, truth, seed=7)
+        spec = llm.generate(PROMPTS[::-1], params[::-1])[::-1]
+        for a, b in zip(plain, spec):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"shape {shape}"
+        assert llm.engine.stats.num_accepted > 0
+    # and with the head's own drafts (no oracle): still the plain tokens
+    spec = make_llm(tiny_dirs, kind, heads[kind], SHAPES[0]).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_engine_tree_equals_the_reference_drafter(tiny_dirs, tiny_models, heads, shape):  # noqa: F811
+    """After prefill (chunked), the engine's tree (tokens, parents, depth-first order) equals
+    infer/reference's EAGLE-2 tree for the same committed tokens."""
+    hf, _ = tiny_models["llama"]
+    from tsengine.eagle3.format import load_head
+
+    head = load_head(heads["llama"], target=hf.config, embeddings=hf.get_input_embeddings().weight)
+    ref = ReferenceSpeculator(hf, head, SpecShape(*shape))
+    for budget in (64, 7):
+        e = make_llm(tiny_dirs, "llama", heads["llama"], shape, max_num_batched_tokens=budget).engine
+        e.add_request("r", PROMPTS[2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        for _ in range(3):  # prefill, then two verify steps: trees drafted after accepted paths too
+            while not e.requests["r"].num_output:
+                e.step()
+            seq = e.requests["r"]
+            with torch.no_grad():
+                feats = ref._target(seq.tokens[:-1])[1]
+            want = ref.draft(seq.tokens, feats)
+            assert seq.drafts.tolist() == want.tokens, f"budget {budget}"
+            assert seq.tree[0].tolist() == [0] + [p + 1 for p in want.parents]
+            assert seq.tree[1].tolist() == [0] + want.depths
+            e.step()
+
+
+# ---- attention over tree windows ------------------------------------------------------------------------------
+def dense_tree_attention(q, k_cache, v_cache, ctx, scale):
+    """Float64 loop: token t sees KV indices below its window start and the window slots in its bits."""
+    bs, nh, nkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(ctx.num_tokens):
+        b, st, bits = int(ctx.seq_index[t]), int(ctx.tree_start[t]), int(ctx.tree_anc[t])
+        js = [j for j in range(int(ctx.context_lens[b])) if j < st or (j - st < 64 and bits >> (j - st) & 1)]
+        k = torch.stack([k_cache[int(ctx.block_tables[b, j // bs]), j % bs] for j in js]).double()
+        v = torch.stack([v_cache[int(ctx.block_tables[b, j // bs]), j % bs] for j in js]).double()
+        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[t].double(), k) * scale, -1)
+        out[t] = torch.einsum("hn,nhd->hd", w, v)
+    return out
+
+
+def test_tree_window_attention_matches_dense_loop():
+    """A mixed step: a prefill chunk, two tree windows (one on consecutive blocks), a decode token. And a
+    one-request step on consecutive blocks (the cache-view path)."""
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(24, 4, 2, 16, generator=g), torch.randn(24, 4, 2, 16, generator=g)
+    parents = torch.tensor([[0, 0, 1, 0, 3, 3], [0, 0, 0, 1, 2, 4]])
+    from tsengine.spec.tree import ancestor_bits
+
+    anc = ancestor_bits(parents, 3)
+    depths = torch.tensor([[0, 1, 2, 1, 2, 2], [0, 1, 1, 2, 2, 3]])
+    runs = [([5, 9, 2], 3, 7), ([0, 1, 3, 4], 9, 6), ([6, 7, 8, 10], 7, 6), ([11, 12], 4, 1)]
+    ctx = Context.build(runs, 4, "cpu")
+    ctx.set_trees(torch.tensor([[7 + i for i in range(6)], [13 + i for i in range(6)]]), torch.tensor([9, 7]),
+                  depths, anc)
+    assert ctx.positions[7:13].tolist() == [9 + d for d in depths[0].tolist()]  # position follows depth
+    assert ctx.slot_mapping[7:13].tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2]  # slot: node
+    q = torch.randn(ctx.num_tokens, 4, 16, generator=g)
+    out = paged_attention_torch(q, k_cache, v_cache, ctx, 0.25)
+    torch.testing.assert_close(out.double(), dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
+    one = Context.build([([2, 3, 4], 5, 6)], 4, "cpu")
+    assert one.dense_base is not None
+    one.set_trees(torch.arange(6)[None], torch.tensor([5]), depths[:1], anc[:1])
+    q1 = torch.randn(6, 4, 16, generator=g)
+    torch.testing.assert_close(paged_attention_torch(q1, k_cache, v_cache, one, 0.25).double(),
+                               dense_tree_attention(q1, k_cache, v_cache, one, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_draft_lane_context_matches_dense_loop():
+    """Draft-tree steps: K nodes per request in lanes after the prefix, each seeing its ancestors' lanes."""
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(16, 4, 2, 16, generator=g), torch.randn(16, 4, 2, 16, generator=g)
+    tables = torch.tensor([[3, 1, 7, 9], [0, 2, 4, 5]])
+    start = torch.tensor([6, 9])  # prefix lengths
+    k, s = 3, 2
+    lanes = start[:, None] + (s - 1) * k + torch.arange(k)
+    anc = torch.tensor([[0b1001, 0b10010, 0b100001], [0b1100, 0b10001, 0b100100]])
+    ctx = Context.lanes(tables, (start - 1 + s)[:, None].expand(2, k), lanes, start, anc, 4)
+    q = torch.randn(6, 4, 16, generator=g)
+    torch.testing.assert_close(paged_attention_torch(q, k_cache, v_cache, ctx, 0.25).double(),
+                               dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
+
+
+# ---- validation and support -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("topk, steps, n", [(16, 5, 64), (8, 9, 64), (2, 3, 6), (1, 4, 5)])
+def test_largest_valid_tree_shapes(topk, steps, n):
+    cfg = SpeculativeConfig.resolve("EAGLE3", "/h", steps, topk, n)
+    assert (cfg.eagle_topk, cfg.num_steps, cfg.num_draft_tokens) == (topk, steps, n)
+
+
+@pytest.mark.parametrize("topk, steps, n, msgs", [
+    (4, 5, 8, ["16 draft lanes exceed speculative_num_draft_tokens 8"]),
+    (16, 6, 64, ["80 draft lanes exceed"]),
+    (2, 2, 8, ["exceeds what 2 steps of top-2 can draft: 1 + K + (S-1)*K^2 = 7"]),
+    (17, 11, 65, ["speculative_num_steps is 11", "speculative_eagle_topk is 17", "allowed: 2..64"]),
+    (3, 3, None, ["must be given for a tree"]),
+    (1, 3, 5, ["must equal speculative_num_steps + 1 = 4"]),
+])
+def test_invalid_tree_shapes_list_every_violation(topk, steps, n, msgs):
+    with pytest.raises(UserError) as e:
+        SpeculativeConfig.resolve("EAGLE3", "/h", steps, topk, n)
+    for m in msgs:
+        assert m in str(e.value)
+
+
+def test_support_check_lists_every_blocker(tiny_dirs, tiny_models, tmp_path):
+    """A tree on the Triton backend (no tree kernel yet) with topk above the head's draft vocab: one
+    refusal, both blockers named, before any weight of the target is loaded."""
+    from tests.conftest import random_head
+    from tsengine.eagle3.format import save_head
+
+    small = save_head(random_head(tiny_models["llama"][0], seed=1, draft_vocab_size=8), tmp_path / "small")
+    with pytest.raises(UserError, match=re.escape("every blocker")) as e:
+        make_llm(tiny_dirs, "llama", small, (3, 16, 40), attention_backend="triton")
+    text = str(e.value)
+    assert "no tree-window kernel" in text and "speculative_eagle_topk 16 exceeds the head's draft vocab size 8" in text
