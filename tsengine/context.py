@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tsengine.kv_cache import slot
+
 
 @dataclass
 class Context:
@@ -47,7 +49,7 @@ class Context:
             pos = range(start, start + n)
             positions.extend(pos)
             seq_index.extend([b] * n)
-            slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
+            slots.extend(slot(bt, p, block_size) for p in pos)
             starts.append(starts[-1] + n)
             lens.append(start + n)
             tables.append(bt + [0] * (width - len(bt)))

@@ -102,8 +102,10 @@ class Engine:
         long = dict(dtype=torch.long, device=dev)
         ids, runs, draft_slots, drafts, rows, row_seq, row_pos = [], [], [], [], [], [], []
         vstart, vbase, vseqs = [], [], []  # per verify window: first sampled row, first token index, sequence
+        bases = []  # each scheduled run's first row in the flat batch
         for s in batch:
             seq, base = s.seq, len(ids)
+            bases.append(base)
             runs.append((seq.table, s.start, s.num_tokens))
             if s.verify:
                 ids.extend([seq.tokens[-1]] + [0] * (N - 1))
@@ -150,8 +152,8 @@ class Engine:
         draws_h = draws.tolist()
         ok_h = ok.tolist() if ok is not None else []
         outputs, ext, moves, i, v = [], [], [], 0, 0
-        for s in batch:
-            seq, base = s.seq, vbase[v] if s.verify else None
+        for s, base in zip(batch, bases):
+            seq = s.seq
             if s.verify:
                 path = [j for j, good in enumerate(ok_h[v]) if good]  # the accepted path, root first (DFS order)
                 v += 1
@@ -181,7 +183,7 @@ class Engine:
                     moves.append((seq.table, s.start, path))
                 self.scheduler.trim(seq)
                 if S:
-                    ext.append((s, [base + j for j in path] if s.verify else None))
+                    ext.append((s, [base + j for j in path] if s.verify else range(base, base + s.num_tokens)))
             if kept or reason:
                 outputs.append(StepOutput(seq.request_id, kept, reason is not None, reason, s.verify,
                                           a if s.verify else 0))
@@ -189,7 +191,7 @@ class Engine:
             self._move_paths(moves)
         t2 = time.perf_counter()
         if ext:
-            self._draft(ext, batch, aux, dev)
+            self._draft(ext, aux, dev)
         if self.config.debug_checks:
             self.scheduler.check()
         self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
@@ -202,8 +204,8 @@ class Engine:
         for table, start, path in moves:
             for depth, node in enumerate(path):
                 if node != depth:
-                    src.append(table[(start + node) // bs] * bs + (start + node) % bs)
-                    dst.append(table[(start + depth) // bs] * bs + (start + depth) % bs)
+                    src.append(kv_cache.slot(table, start + node, bs))
+                    dst.append(kv_cache.slot(table, start + depth, bs))
         long = dict(dtype=torch.long, device=self.runner.device)
         kv_cache.move_slots(self.runner.kv_buf, torch.tensor(src, **long), torch.tensor(dst, **long))
 
@@ -220,23 +222,18 @@ class Engine:
                 return kept, "length"
         return kept, None
 
-    def _draft(self, ext: list, batch: list, aux: torch.Tensor, dev) -> None:
-        """Extend the draft cache over each run's committed positions (with the target features of the
-        rows that produced them: a verify window's accepted path, or a prefill chunk's tokens), then draft
-        for the runs that sampled. NGRAM has no cache: it looks up the committed tokens."""
+    def _draft(self, ext: list, aux: torch.Tensor, dev) -> None:
+        """Extend the draft cache over each run's committed positions with the target features of the rows
+        that produced them (`ext`: (run, its flat rows) — a verify window's accepted path, or a prefill
+        chunk's tokens), then draft for the runs that sampled. NGRAM has no cache: it looks up the tokens."""
         if self.config.speculative.algorithm == "NGRAM":
             self.runner.drafter.draft([s.seq for s, _ in ext if s.samples])
             return
         runs, rows, ids, last, need = [], [], [], [], []
-        offsets, off = {}, 0
-        for s in batch:
-            offsets[s.seq.sid] = off
-            off += s.num_tokens
-        for s, path_rows in ext:
-            seq = s.seq
-            n = len(path_rows) if path_rows is not None else s.num_tokens
+        for s, run_rows in ext:
+            seq, n = s.seq, len(run_rows)
             runs.append((seq.table, s.start, n))
-            rows.extend(path_rows if path_rows is not None else range(offsets[seq.sid], offsets[seq.sid] + n))
+            rows.extend(run_rows)
             ids.extend(seq.tokens[s.start + 1:s.start + n + 1])
             if s.samples:
                 last.append(len(rows) - 1)

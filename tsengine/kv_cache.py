@@ -82,6 +82,11 @@ def bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, 
     return 2 * layers * block_size * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def slot(table: list[int], position: int, block_size: int) -> int:
+    """The flat cache slot of KV index `position` of a request with block table `table`."""
+    return table[position // block_size] * block_size + position % block_size
+
+
 def allocate(num_blocks: int, block_size: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
     """One buffer [layers, 2, num_blocks, block_size, kv_heads, head_dim]; its (k, v) views per layer."""
     buf = torch.zeros((layers, 2, num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device=device)

@@ -112,8 +112,8 @@ class Runner:
             budget = c.num_kv_blocks * per
         n = kv_cache.plan_blocks(budget, per, c.block_size, self.max_model_len + reserve)
         self.blocks = kv_cache.BlockManager(n, c.block_size)
-        self.kv_buf, self.kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                    self.dtype, self.device)
+        self.kv_buf, self.kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                 cfg.head_dim, self.dtype, self.device)
         self.drafter = None
         if spec is not None and spec.algorithm == "NGRAM":
             from tsengine.spec.ngram import NgramDrafter
