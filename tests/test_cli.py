@@ -82,6 +82,15 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
     tree = run(*common, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
                "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6")
     assert tree.returncode == 0 and tree.stdout == plain.stdout, tree.stderr
+    ngram = run(*common, "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3")
+    assert ngram.returncode == 0 and ngram.stdout == plain.stdout, ngram.stderr
+    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)]
+    sampled = [*common, "--temperature", "0.8", "--seed-sample", "4"]
+    for rule in (["--speculative-num-steps", "2", "--enable-speculative-sampling"],
+                 ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
+                  "--spec-tree-sampling", "multiround"]):
+        first, again = run(*sampled, *eagle, *rule), run(*sampled, *eagle, *rule)
+        assert first.returncode == 0 and first.stdout == again.stdout and first.stdout.strip(), first.stderr
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -95,6 +104,9 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
       "--speculative-num-steps", "3"], "conflicts"),
     (["--speculative-config", "{nope"], "not valid JSON"),
     (["--block-size", "0"], "allowed: 1..256"),
+    (["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
+      "--enable-speculative-sampling"], "use --spec-tree-sampling multiround for trees"),
+    (["--spec-tree-sampling", "multiround"], "a chain (speculative_eagle_topk 1) uses --enable-speculative-sampling"),
 ])
 def test_engine_flag_mistakes(tiny_dirs, tmp_path, args, needle):
     head = tmp_path / "head"

@@ -144,7 +144,23 @@ def dense_tree_attention(q, k_cache, v_cache, ctx, scale):
     return out
 
 
-def test_tree_window_attention_matches_dense_loop():
+def attend(kernel, q, k_cache, v_cache, ctx, scale):
+    """The torch backend, or one Triton kernel forced (interpreted on the CPU) with small tiles, so that a
+    short prefix still spans several key tiles."""
+    if kernel == "torch":
+        return paged_attention_torch(q, k_cache, v_cache, ctx, scale)
+    from tsengine.kernels.paged_attention import _decode, _prefill
+
+    if kernel == "decode":
+        return _decode(q, k_cache, v_cache, ctx, scale, block_n=16)
+    return _prefill(q, k_cache, v_cache, ctx, scale, block_m=8, block_n=16)
+
+
+KERNELS = ["torch", "decode", "prefill"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tree_window_attention_matches_dense_loop(kernel):
     """A mixed step: a prefill chunk, two tree windows (one on consecutive blocks), a decode token. And a
     one-request step on consecutive blocks (the cache-view path)."""
     g = torch.Generator().manual_seed(0)
@@ -161,17 +177,18 @@ def test_tree_window_attention_matches_dense_loop():
     assert ctx.positions[7:13].tolist() == [9 + d for d in depths[0].tolist()]  # position follows depth
     assert ctx.slot_mapping[7:13].tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2]  # slot: node
     q = torch.randn(ctx.num_tokens, 4, 16, generator=g)
-    out = paged_attention_torch(q, k_cache, v_cache, ctx, 0.25)
+    out = attend(kernel, q, k_cache, v_cache, ctx, 0.25)
     torch.testing.assert_close(out.double(), dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
     one = Context.build([([2, 3, 4], 5, 6)], 4, "cpu")
     assert one.dense_base is not None
     one.set_trees(torch.arange(6)[None], torch.tensor([5]), depths[:1], anc[:1])
     q1 = torch.randn(6, 4, 16, generator=g)
-    torch.testing.assert_close(paged_attention_torch(q1, k_cache, v_cache, one, 0.25).double(),
+    torch.testing.assert_close(attend(kernel, q1, k_cache, v_cache, one, 0.25).double(),
                                dense_tree_attention(q1, k_cache, v_cache, one, 0.25), atol=1e-5, rtol=1e-5)
 
 
-def test_draft_lane_context_matches_dense_loop():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_draft_lane_context_matches_dense_loop(kernel):
     """Draft-tree steps: K nodes per request in lanes after the prefix, each seeing its ancestors' lanes."""
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(16, 4, 2, 16, generator=g), torch.randn(16, 4, 2, 16, generator=g)
@@ -182,7 +199,7 @@ def test_draft_lane_context_matches_dense_loop():
     anc = torch.tensor([[0b1001, 0b10010, 0b100001], [0b1100, 0b10001, 0b100100]])
     ctx = Context.lanes(tables, (start - 1 + s)[:, None].expand(2, k), lanes, start, anc, 4)
     q = torch.randn(6, 4, 16, generator=g)
-    torch.testing.assert_close(paged_attention_torch(q, k_cache, v_cache, ctx, 0.25).double(),
+    torch.testing.assert_close(attend(kernel, q, k_cache, v_cache, ctx, 0.25).double(),
                                dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
 
 
@@ -209,13 +226,56 @@ def test_invalid_tree_shapes_list_every_violation(topk, steps, n, msgs):
 
 
 def test_support_check_lists_every_blocker(tiny_dirs, tiny_models, tmp_path):
-    """A tree on the Triton backend (no tree kernel yet) with topk above the head's draft vocab: one
-    refusal, both blockers named, before any weight of the target is loaded."""
+    """Rejection sampling asked of a tree, with topk above the head's draft vocab: one refusal, both
+    blockers named (sampler and drafter), before any weight of the target is loaded."""
     from tests.conftest import random_head
     from tsengine.eagle3.format import save_head
 
     small = save_head(random_head(tiny_models["llama"][0], seed=1, draft_vocab_size=8), tmp_path / "small")
+    spec = {"method": "eagle3", "model": str(small), "num_speculative_tokens": 3, "eagle_topk": 16,
+            "num_draft_tokens": 40, "enable_speculative_sampling": True}
     with pytest.raises(UserError, match=re.escape("every blocker")) as e:
-        make_llm(tiny_dirs, "llama", small, (3, 16, 40), attention_backend="triton")
+        LLM(str(tiny_dirs["llama"]), speculative_config=spec, attention_backend="triton")
     text = str(e.value)
-    assert "no tree-window kernel" in text and "speculative_eagle_topk 16 exceeds the head's draft vocab size 8" in text
+    assert "sampler rejection (--enable-speculative-sampling): verifies a chain" in text
+    assert "speculative_eagle_topk 16 exceeds the head's draft vocab size 8" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_full_64_node_windows(kernel, dtype):
+    """The largest windows (64 nodes: bit 63 is the sign bit of the int64 mask) behind long, shuffled
+    prefixes, two requests plus a decode token, random trees; against the float64 loop."""
+    from tsengine.spec.tree import ancestor_bits
+
+    g = torch.Generator().manual_seed(7)
+    n, bs = 64, 8
+    parents = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long),
+                                      torch.randint(0, 1 << 20, (n - 1,), generator=g) % torch.arange(1, n)])
+                           for _ in range(2)])
+    depths = torch.zeros_like(parents)
+    for i in range(1, n):
+        depths[:, i] = depths.gather(1, parents[:, i:i + 1])[:, 0] + 1
+    anc = ancestor_bits(parents, int(depths.max()))
+    assert (anc < 0).any()  # node 63 of some window: bit 63 set
+    perm = torch.randperm(40, generator=g).tolist()
+    runs = [(perm[:12], 30, n), (perm[12:26], 45, n), (perm[26:30], 20, 1)]
+    ctx = Context.build(runs, bs, "cpu")
+    ctx.set_trees(torch.stack([torch.arange(n), n + torch.arange(n)]), torch.tensor([30, 45]), depths, anc)
+    k_cache, v_cache = torch.randn(40, bs, 2, 16, generator=g).to(dtype), torch.randn(40, bs, 2, 16, generator=g).to(dtype)
+    q = torch.randn(ctx.num_tokens, 4, 16, generator=g).to(dtype)
+    out = attend(kernel, q, k_cache, v_cache, ctx, 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=tol, rtol=tol)
+
+
+def test_tree_greedy_on_the_triton_backend(tiny_dirs, heads):  # noqa: F811
+    """The whole engine with tree windows and draft lanes through the Triton kernels (interpreted here):
+    greedy output equals plain greedy, accepted paths off the first-child line included."""
+    truth = _greedy_truth(tiny_dirs, "llama", 12)
+    llm = make_llm(tiny_dirs, "llama", heads["llama"], (3, 2, 6), attention_backend="triton")
+    assert llm.engine.runner.backend == "triton"
+    oracle = OracleTreeDrafts(llm.engine, truth, seed=2)
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == [truth[tuple(p)] for p in PROMPTS[:2]]
+    assert oracle.moved > 0 and llm.engine.stats.num_accepted > 0

@@ -47,11 +47,11 @@ def spec_json(head_dir) -> dict:
     return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dirs, head_dir):
-    config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4, debug_checks=True,
-                               speculative=SpeculativeConfig.resolve(config_json=spec_json(head_dir)))
-    engine = AsyncEngine(lambda: Engine(config))  # as `tsengine serve` does: built on the engine thread
+@contextlib.contextmanager
+def serving(config: EngineConfig):
+    """`build_app` behind uvicorn on a free loopback port, the engine built on its own thread as
+    `tsengine serve` builds it."""
+    engine = AsyncEngine(lambda: Engine(config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL, api_key=KEY), log_level="warning"))
@@ -62,12 +62,22 @@ def server(tiny_dirs, head_dir):
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, engine=engine.engine, async_engine=engine,
-                          client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30))
-    uv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
-    sock.close()
+    try:
+        yield SimpleNamespace(url=url, engine=engine.engine, async_engine=engine,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30))
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        engine.shutdown()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, head_dir):
+    config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4, debug_checks=True,
+                               speculative=SpeculativeConfig.resolve(config_json=spec_json(head_dir)))
+    with serving(config) as s:
+        yield s
 
 
 def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
@@ -198,6 +208,30 @@ def test_server_matches_llm_generate(server, tiny_dirs, head_dir):
     want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     r = server.client.completions.create(model=MODEL, prompt=ids, max_tokens=16, temperature=0).choices[0]
     assert (r.text, r.finish_reason) == (want.text, want.finish_reason)
+
+
+@pytest.mark.parametrize("extra", [
+    {"eagle_topk": 2, "num_draft_tokens": 6},
+    {"eagle_topk": 2, "num_draft_tokens": 6, "tree_sampling": "multiround"},
+    {"enable_speculative_sampling": True},
+    {"method": "ngram", "model": None},
+], ids=["tree", "tree-multiround", "rejection", "ngram"])
+def test_tree_ngram_and_sampling_rules_through_the_server(tiny_dirs, head_dir, extra):
+    """Every speculation mode is reachable through `serve`'s config: greedy equals plain greedy (the
+    offline API without speculation), and a seeded sampled request answers the same twice."""
+    spec = {k: v for k, v in {**spec_json(head_dir), **extra}.items() if v is not None}
+    config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4, debug_checks=True,
+                               speculative=SpeculativeConfig.resolve(config_json=spec))
+    ids = [5, 17, 33, 2, 9, 100, 41, 7, 8, 9, 10]
+    want = LLM(str(tiny_dirs["llama"]), max_model_len=CONTEXT).generate(
+        [ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].text
+    with serving(config) as s:
+        kw = dict(model=MODEL, prompt=ids, max_tokens=16, extra_body={"ignore_eos": True})
+        assert s.client.completions.create(temperature=0, **kw).choices[0].text == want
+        a, b = (s.client.completions.create(temperature=0.9, seed=5, **kw).choices[0].text for _ in range(2))
+        assert a == b
+        assert s.engine.stats.num_drafts > 0
+        wait_idle(s.engine)
 
 
 # ---- the other endpoints -------------------------------------------------------------------------------------

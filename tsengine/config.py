@@ -30,6 +30,17 @@ class SpeculativeConfig(_Strict):
     num_draft_tokens: int | None = None
     prompt_lookup_min: int = Field(1, ge=1)  # NGRAM: shortest suffix n-gram to look up
     prompt_lookup_max: int = Field(4, ge=1)  # NGRAM: longest
+    # The verification rule at temperature > 0 (greedy rows always take exact matching). Default: keyed
+    # Gumbel draws, so output equals plain seeded sampling. `speculative_sampling`: rejection sampling against
+    # the draft's recorded q (chain). `tree_sampling="multiround"`: the point-mass multi-round rule (tree).
+    speculative_sampling: bool = False
+    tree_sampling: Literal["gumbel", "multiround"] = "gumbel"
+
+    @property
+    def rule(self) -> str:
+        """The verification rule at temperature > 0: gumbel, rejection or multiround."""
+        return "rejection" if self.speculative_sampling else ("multiround" if self.tree_sampling == "multiround"
+                                                              else "gumbel")
 
     @property
     def is_tree(self) -> bool:
@@ -75,11 +86,15 @@ class SpeculativeConfig(_Strict):
     @staticmethod
     def resolve(algorithm: str | None = None, draft_model_path: str | None = None, num_steps: int | None = None,
                 eagle_topk: int | None = None, num_draft_tokens: int | None = None,
-                config_json: str | dict | None = None) -> "SpeculativeConfig | None":
-        """Merge the flags and the JSON form; None when no speculation is asked for."""
+                config_json: str | dict | None = None, speculative_sampling: bool | None = None,
+                tree_sampling: str | None = None) -> "SpeculativeConfig | None":
+        """Merge the flags and the JSON form; None when no speculation is asked for (the sampling-rule flags
+        alone do not ask for it)."""
         flags = {"algorithm": algorithm, "draft_model_path": draft_model_path, "num_steps": num_steps,
                  "eagle_topk": eagle_topk, "num_draft_tokens": num_draft_tokens}
         flags = {k: v for k, v in flags.items() if v is not None}
+        rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling}
+        rules = {k: v for k, v in rules.items() if v is not None}
         merged = dict(flags)
         if config_json is not None:
             if isinstance(config_json, str):
@@ -92,7 +107,8 @@ class SpeculativeConfig(_Strict):
             names = {"method": "algorithm", "model": "draft_model_path", "num_speculative_tokens": "num_steps",
                      "num_steps": "num_steps", "eagle_topk": "eagle_topk", "topk": "eagle_topk",
                      "num_draft_tokens": "num_draft_tokens", "prompt_lookup_min": "prompt_lookup_min",
-                     "prompt_lookup_max": "prompt_lookup_max"}
+                     "prompt_lookup_max": "prompt_lookup_max", "enable_speculative_sampling": "speculative_sampling",
+                     "speculative_sampling": "speculative_sampling", "tree_sampling": "tree_sampling"}
             problems = []
             for key, value in config_json.items():
                 if key not in names:
@@ -101,13 +117,18 @@ class SpeculativeConfig(_Strict):
                 field = names[key]
                 if field == "algorithm" and isinstance(value, str):
                     value = {"eagle3": "EAGLE3", "eagle-3": "EAGLE3", "ngram": "NGRAM"}.get(value.lower(), value)
-                if field in flags and flags[field] != value:
+                given = {**flags, **rules}
+                if field in given and given[field] != value:
                     problems.append(f"speculative_config {key}={value!r} conflicts with the flag for {field} "
-                                    f"({flags[field]!r}); give it once")
+                                    f"({given[field]!r}); give it once")
                 merged[field] = value
             fail_if(problems, "invalid --speculative-config")
         if not merged:
+            if rules:
+                raise UserError(f"{', '.join(rules)} set without speculative decoding: give "
+                                "--speculative-algorithm (or --speculative-config) too")
             return None
+        merged = {**rules, **merged}
         if merged.get("algorithm", "EAGLE3") not in ALGORITHMS:
             raise UserError(f"speculative algorithm {merged['algorithm']!r} is not supported; allowed: "
                             f"{', '.join(ALGORITHMS)}")

@@ -82,9 +82,10 @@ class Context:
         d, k = positions.shape
         seq = torch.arange(d, device=positions.device)[:, None].expand(d, k)
         slots = block_tables[seq, kv_index // block_size] * block_size + kv_index % block_size
-        return Context(positions.flatten(), seq.flatten(), slots.flatten(), block_tables, kv_index.amax(1) + 1,
+        flat = lambda x: x.reshape(-1).contiguous()  # noqa: E731  (an expanded [1, K] flattens to stride 0)
+        return Context(flat(positions), flat(seq), flat(slots), block_tables, kv_index.amax(1) + 1,
                        torch.arange(d + 1, device=positions.device) * k, k, block_tables.shape[1] * block_size,
-                       exact_ctx=False, tree_start=start[:, None].expand(d, k).flatten(), tree_anc=anc.flatten())
+                       exact_ctx=False, tree_start=flat(start[:, None].expand(d, k)), tree_anc=flat(anc))
 
     @staticmethod
     def one_each(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> "Context":

@@ -25,7 +25,7 @@ from tsengine.context import Context
 from tsengine.errors import UserError
 from tsengine.metrics import Stats
 from tsengine.runner import Runner, reserve_slots
-from tsengine.sampling import RowParams, SamplingParams, sample
+from tsengine.sampling import RowParams, SamplingParams, filtered_logprobs, gumbel, sample
 from tsengine.scheduler import Scheduler
 from tsengine.sequence import Sequence, Status
 
@@ -58,6 +58,7 @@ class Engine:
         self.spec_steps = s.num_steps if s else 0
         self.window = s.num_draft_tokens if s else 1  # N: the root plus the drafts
         self.tree = bool(s and s.is_tree)
+        self.rule = s.rule if s else "gumbel"
         self._chain_parents = (torch.arange(self.window, device=self.runner.device) - 1).clamp(min=0)
         self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.window, reserve_slots(s))
@@ -138,7 +139,15 @@ class Engine:
                 parents = self._chain_parents.expand(len(vseqs), N)
         hidden, aux = r.model(input_ids, ctx, r.kv)
         rp = RowParams.build([q.params for q in row_seq], [q.seed for q in row_seq], dev)
-        draws = sample(r.model.logits(hidden[torch.tensor(rows, **long)]), rp, row_pos)
+        logits = r.model.logits(hidden[torch.tensor(rows, **long)])
+        noise = None
+        if self.tree and drafts and not rp.all_greedy:
+            windows = {i for v in vstart for i in range(v, v + N)}
+            other = torch.tensor([i for i in range(len(row_seq)) if i not in windows], **long)
+            noise = self._tree_noise(rp, row_pos, vrow, other, starts, depths, logits.shape[-1])
+        draws = sample(logits, rp, row_pos, noise)
+        if drafts and self.rule != "gumbel" and not rp.all_greedy:
+            self._rule_draws(draws, logits, rp, row_pos, vrow, vseqs, torch.stack(drafts), parents)
         ok = None
         if drafts:  # a node is accepted when its token is its parent's draw and its parent is accepted
             d = draws[vrow]
@@ -197,6 +206,38 @@ class Engine:
         self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
         return outputs
 
+    def _tree_noise(self, rp: RowParams, row_pos, vrow, other, starts, depths, vocab: int) -> torch.Tensor:
+        """Gumbel noise of every sampled row (`other`: the rows outside tree windows), hashed once per (seed,
+        position): the nodes of a window at equal depth draw at the same position, so a window needs S+1
+        noise rows, not N."""
+        (w, _), dev, s1 = vrow.shape, vrow.device, self.spec_steps + 1
+        index = torch.empty(row_pos.shape[0], dtype=torch.long, device=dev)
+        index[other] = torch.arange(other.numel(), device=dev)
+        index[vrow] = other.numel() + torch.arange(w, device=dev)[:, None] * s1 + depths
+        seeds = torch.cat([rp.seeds[other], rp.seeds[vrow[:, 0]].repeat_interleave(s1)])
+        pos = torch.cat([row_pos[other], (starts[:, None] + 1 + torch.arange(s1, device=dev)).flatten()])
+        return gumbel(seeds, pos, vocab)[index]
+
+    def _rule_draws(self, draws, logits, rp: RowParams, row_pos, vrow, vseqs, drafts, parents) -> None:
+        """Replace the sampled verify rows' draws by the configured rule's (rejection or multiround), in
+        place; greedy rows keep the plain argmax."""
+        from tsengine.spec.verify import multiround_draws, rejection_draws
+
+        (w, n), flat = vrow.shape, vrow.flatten()
+        rpw = rp.index(flat)
+        logp = filtered_logprobs(logits[flat], rpw).view(w, n, -1)
+        seeds, pos = rpw.seeds.view(w, n)[:, 0], row_pos[vrow]
+        if self.rule == "rejection":  # q over the draft vocab, scattered into the target's
+            ids = self.runner.drafter.draft_ids_in_target
+            empty = logp.new_zeros(n - 1, ids.numel())
+            q = logp.new_zeros(w, n - 1, logp.shape[-1])
+            q[..., ids] = torch.stack([s.draft_q if s.draft_q is not None else empty for s in vseqs])
+            new = rejection_draws(logp, drafts, q, seeds, pos)
+        else:
+            tokens = torch.cat([drafts[:, :1], drafts], dim=1)  # node 0's token is never read
+            new = multiround_draws(logp, tokens, parents, seeds, pos, self.config.speculative.eagle_topk)
+        draws[flat] = torch.where(rpw.temperature > 0, new.flatten(), draws[flat])
+
     def _move_paths(self, moves: list) -> None:
         """Accepted tree nodes sit at their node's slot (start + node); move them to start + depth so that
         everything downstream sees a chain. Trimmed blocks are not reused before this (same step)."""
@@ -250,4 +291,4 @@ class Engine:
             if self.tree:
                 q.drafts, q.tree = out.tokens[j, 1:], (out.parents[j], out.depths[j], out.ancestors[j])
             else:
-                q.drafts = out[j]
+                q.drafts, q.draft_q = out[0][j], (out[1][j] if out[1] is not None else None)

@@ -46,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculative-eagle-topk", type=int, help="children per expansion: 1 = chain, > 1 = tree (1..16)")
     s.add_argument("--speculative-num-draft-tokens", type=int,
                    help="nodes verified per step, root included (2..64); a chain: steps + 1; required for a tree")
+    s.add_argument("--enable-speculative-sampling", action="store_true", default=None,
+                   help="temperature > 0: rejection sampling against the draft's q (chain, EAGLE3); the default "
+                        "keyed Gumbel rule returns exactly plain sampling's tokens instead")
+    s.add_argument("--spec-tree-sampling", choices=["gumbel", "multiround"],
+                   help="temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround "
+                        "(point-mass multi-round rejection)")
     s.add_argument("--speculative-config", help='vLLM-style JSON, e.g. {"method": "eagle3", "model": DIR, '
                                                 '"num_speculative_tokens": 3}')
 
@@ -53,7 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     spec = SpeculativeConfig.resolve(args.speculative_algorithm, args.speculative_draft_model_path,
                                      args.speculative_num_steps, args.speculative_eagle_topk,
-                                     args.speculative_num_draft_tokens, args.speculative_config)
+                                     args.speculative_num_draft_tokens, args.speculative_config,
+                                     args.enable_speculative_sampling, args.spec_tree_sampling)
     return EngineConfig.make(
         model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,

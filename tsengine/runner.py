@@ -101,11 +101,19 @@ class Runner:
             h = self.head.config
             per += kv_cache.bytes_per_block(c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype)
         reserve = reserve_slots(spec)
+        # Rejection sampling keeps each running request's draft distributions q ([S, draft vocab] fp32) from
+        # its draft step to its verify step, and verification scatters them into the target vocab.
+        self.q_bytes = 0
+        if spec is not None and spec.rule == "rejection" and self.head is not None:
+            self.q_bytes = c.max_num_seqs * spec.num_steps * (self.head.config.draft_vocab_size + self.vocab_size) * 4
+            log.info("speculative sampling: recorded draft distributions take up to %.1f MiB (max_num_seqs %d x "
+                     "%d steps x (draft vocab %d + vocab %d) x 4 B), reserved before the KV cache", self.q_bytes / 2**20,
+                     c.max_num_seqs, spec.num_steps, self.head.config.draft_vocab_size, self.vocab_size)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - c.gpu_memory_utilization) * total)
+            budget = int(free - (1 - c.gpu_memory_utilization) * total) - self.q_bytes
         elif c.kv_cache_memory is not None:
-            budget = c.kv_cache_memory
+            budget = c.kv_cache_memory - self.q_bytes
         else:  # enough for every request slot at full length, capped at 4 GiB
             budget = min(c.max_num_seqs * -(-(self.max_model_len + reserve) // c.block_size) * per, 4 << 30)
         if c.num_kv_blocks is not None:
@@ -125,6 +133,6 @@ class Runner:
             h = self.head.config
             dkv = kv_cache.allocate(n, c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype, self.device)[1][0]
             self.drafter = Eagle3Drafter(self.head, spec.num_steps, dkv, c.block_size, self.backend, spec.eagle_topk,
-                                         spec.num_draft_tokens)
+                                         spec.num_draft_tokens, spec.rule)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB incl. draft), backend %s, dtype %s, device %s",
                  n, c.block_size, n * per / 2**20, self.backend, self.dtype, self.device)

@@ -133,10 +133,13 @@ def filtered_logprobs(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return logp.scatter(-1, order, sorted_lp.masked_fill(drop, -math.inf))
 
 
-def sample(logits: torch.Tensor, rp: RowParams, positions: torch.Tensor) -> torch.Tensor:
-    """[R, V] logits -> [R] token ids. `positions` [R]: the absolute position of the token drawn."""
+def sample(logits: torch.Tensor, rp: RowParams, positions: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, V] logits -> [R] token ids. `positions` [R]: the absolute position of the token drawn. `noise`:
+    the rows' Gumbel noise when the caller already has it (it must equal gumbel(seeds, positions))."""
     greedy = logits.argmax(dim=-1)
     if rp.all_greedy:
         return greedy
-    drawn = (filtered_logprobs(logits, rp) + gumbel(rp.seeds, positions, logits.shape[-1])).argmax(dim=-1)
+    if noise is None:
+        noise = gumbel(rp.seeds, positions, logits.shape[-1])
+    drawn = (filtered_logprobs(logits, rp) + noise).argmax(dim=-1)
     return torch.where(rp.temperature > 0, drawn, greedy)

@@ -38,6 +38,7 @@ class Sequence:
     num_cached: int = 0
     drafts: torch.Tensor | None = None
     tree: tuple | None = None  # (parents, depths, ancestor bits), each [N] on the device; None for a chain
+    draft_q: torch.Tensor | None = None  # [S, draft vocab]: the drafts' distributions (rejection sampling only)
     finish_reason: str | None = None
     num_preempted: int = 0
     verify_steps: int = 0
@@ -60,5 +61,5 @@ class Sequence:
 
     def preempt(self) -> None:
         """Recompute later: KV dropped, the tokens so far become the prefix to prefill again."""
-        self.status, self.num_cached, self.drafts, self.tree = Status.WAITING, 0, None, None
+        self.status, self.num_cached, self.drafts, self.tree, self.draft_q = Status.WAITING, 0, None, None, None
         self.num_preempted += 1

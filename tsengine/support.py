@@ -11,10 +11,25 @@ from tsengine.errors import fail_if
 
 
 def _attention(backend: str, spec) -> list[str]:
-    if spec is not None and spec.is_tree and backend == "triton":
-        return ["attention backend triton: no tree-window kernel yet (tree verification needs ancestor masks); "
-                "use --attention-backend torch or --speculative-eagle-topk 1"]
-    return []
+    return []  # both backends verify chains and trees (ancestor-bitmask windows of <= 64 nodes)
+
+
+def _sampler(spec) -> list[str]:
+    """Which verification rule can check which drafts: rejection sampling needs one drafted token per
+    position and its recorded q (an EAGLE3 chain); the multi-round rule is the tree's."""
+    if spec is None:
+        return []
+    problems = []
+    if spec.speculative_sampling and spec.is_tree:
+        problems.append(f"sampler rejection (--enable-speculative-sampling): verifies a chain; speculative_eagle_topk "
+                        f"{spec.eagle_topk} drafts a tree: use --spec-tree-sampling multiround for trees")
+    if spec.speculative_sampling and spec.algorithm == "NGRAM":
+        problems.append("sampler rejection (--enable-speculative-sampling): needs the draft's distribution q; NGRAM "
+                        "drafts have none (the default Gumbel rule verifies them exactly)")
+    if spec.tree_sampling == "multiround" and not spec.is_tree:
+        problems.append("sampler multiround (--spec-tree-sampling multiround): the tree rule; a chain "
+                        "(speculative_eagle_topk 1) uses --enable-speculative-sampling")
+    return problems
 
 
 def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
@@ -32,5 +47,5 @@ def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
 
 def check(backend: str, spec, draft_vocab_size: int | None = None) -> None:
     """Raise one UserError listing every blocker of this configuration (or return)."""
-    fail_if(_attention(backend, spec) + _drafter(spec, draft_vocab_size),
+    fail_if(_attention(backend, spec) + _sampler(spec) + _drafter(spec, draft_vocab_size),
             "this configuration cannot run; every blocker")

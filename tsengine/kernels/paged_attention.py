@@ -16,6 +16,12 @@ Softmax is online (flash-style) in fp32 with exp2 (the scale is folded with log2
 before the dots, as the reference does. Padding rows (GQA group rows past the group, queries past a request's
 run) read position 0 like the reference's padding, so no row is ever fully masked and nothing turns to NaN;
 their output is never stored.
+
+Tree windows (TREE): a token sees every key below its window's start and, inside the window (≤ 64 keys), the
+keys whose bit is set in its int64 ancestor mask — the rule `tsengine.attention` states. A plain token in the
+same batch carries start = its position and mask 1, so one predicate serves prefill chunks, tree windows and
+draft lanes alike (a draft lane's KV index is not its RoPE position, so positions are never used for the
+limit when TREE is on).
 """
 
 from __future__ import annotations
@@ -55,6 +61,13 @@ def _kv_tile(k_ptr, v_ptr, table_ptr, j, jmask, d, dmask, kvh, sk_b, sk_s, sk_h,
 
 
 @triton.jit
+def _tree_visible(j, st, bits):
+    """Key j visible to a token whose window starts at `st` with ancestor bits `bits` (broadcasting)."""
+    rel = j - st
+    return (rel < 0) | ((rel < 64) & (((bits >> tl.minimum(tl.maximum(rel, 0), 63)) & 1) == 1))
+
+
+@triton.jit
 def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One online-softmax update (log2 domain) with scores `s` [rows, BLOCK_N] and values `v`."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,14 +79,20 @@ def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, UPCAST: tl.const
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, seq_ptr, bt_ptr, lens_ptr,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, start_ptr, anc_ptr, seq_ptr, bt_ptr, lens_ptr,
                    sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt, qk_scale,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   TREE: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.load(seq_ptr + t)
-    limit = tl.minimum(tl.load(pos_ptr + t) + 1, tl.load(lens_ptr + b))
+    if TREE:
+        st = tl.load(start_ptr + t)
+        bits = tl.load(anc_ptr + t)
+        limit = tl.minimum(st + 64, tl.load(lens_ptr + b))
+    else:
+        limit = tl.minimum(tl.load(pos_ptr + t) + 1, tl.load(lens_ptr + b))
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -91,6 +110,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, seq_ptr, bt_ptr, lens_pt
         k, v = _kv_tile(k_ptr, v_ptr, bt_ptr + b * sbt, j, jmask, d, dmask, kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
                         BLOCK_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N]
+        if TREE:
+            jmask = jmask & _tree_visible(j, st, bits)
         s = tl.where(jmask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION, UPCAST)
 
@@ -100,11 +121,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, seq_ptr, bt_ptr, lens_pt
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, bt_ptr, lens_ptr,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, start_ptr, anc_ptr, qstart_ptr, bt_ptr, lens_ptr,
                     sq_t, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_t, so_h, sbt, qk_scale,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TREE: tl.constexpr):
     """Rows are (query, group head) pairs, BLOCK_M queries x BLOCK_G heads, so one KV tile serves the whole
     GQA group as in the decode kernel. Positions are read per row rather than assumed consecutive."""
     b = tl.program_id(0)
@@ -127,7 +148,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, bt_ptr, len
     qmask = rmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + tok[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=qmask, other=0.0)
     qpos = tl.load(pos_ptr + tok, mask=rmask, other=0)
-    hi = tl.minimum(tl.max(qpos, 0) + 1, n_ctx)  # key tiles past the tile's last position are never loaded
+    if TREE:  # padding rows: window at 0 with only bit 0, i.e. they see key 0
+        st = tl.load(start_ptr + tok, mask=rmask, other=0)
+        bits = tl.load(anc_ptr + tok, mask=rmask, other=1)
+        hi = tl.minimum(tl.max(st, 0) + 64, n_ctx)
+    else:
+        hi = tl.minimum(tl.max(qpos, 0) + 1, n_ctx)  # key tiles past the tile's last position are never loaded
 
     m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
@@ -138,7 +164,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, pos_ptr, qstart_ptr, bt_ptr, len
         k, v = _kv_tile(k_ptr, v_ptr, bt_ptr + b * sbt, j, jmask, d, dmask, kvh, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
                         BLOCK_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST) * qk_scale
-        s = tl.where(jmask[None, :] & (j[None, :] <= qpos[:, None]), s, float("-inf"))
+        if TREE:
+            seen = jmask[None, :] & _tree_visible(j[None, :], st[:, None], bits[:, None])
+        else:
+            seen = jmask[None, :] & (j[None, :] <= qpos[:, None])
+        s = tl.where(seen, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v.to(q.dtype), m_i, l_i, acc, PRECISION, UPCAST)
 
     out = acc / l_i[:, None]
@@ -156,12 +186,16 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: 
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     group = nh // nkv
-    args = (q, k_cache, v_cache, out, ctx.positions)
+    tree = ctx.tree_anc is not None
+    for x in (ctx.positions, ctx.seq_index, ctx.context_lens, ctx.query_start, ctx.tree_start, ctx.tree_anc):
+        assert x is None or x.is_contiguous(), "per-token index tensors are read as dense arrays"
+    args = (q, k_cache, v_cache, out, ctx.positions, ctx.tree_start if tree else ctx.positions,
+            ctx.tree_anc if tree else ctx.positions)
     strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0),
                out.stride(1), ctx.block_tables.stride(0), scale * LOG2E)
     meta = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=bs,
                 PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 must not silently drop to tf32
-                UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+                UPCAST=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1", TREE=tree)
     return out, nkv, group, args, strides, meta
 
 

@@ -11,9 +11,14 @@ With eagle_topk K > 1 the head grows an EAGLE-2 dynamic tree instead (`tsengine/
 root's K best children, then S-1 expansions of the K best frontier nodes, each fed at position
 root + depth into its own lane of the draft cache, seeing the prefix and its ancestors' lanes.
 
-Draft choices use the same keyed Gumbel noise as the target's draw at that position (restricted to the
-draft vocab), so when the draft's distribution is close to the target's, the draft picks the very token
-the target will sample; greedy requests take the plain argmax. Either way only the target decides.
+Draft choices depend on the verification rule (`SpeculativeConfig.rule`) for sampled rows:
+  gumbel      the same keyed Gumbel noise as the target's draw at that position (restricted to the draft
+              vocab), so when the draft's distribution is close to the target's, the draft picks the very
+              token the target will sample;
+  rejection   a sample from q = the draft's filtered softmax(logits / T), with the drafter's own noise
+              stream, and q itself is returned for verification;
+  multiround  the tree ranks by the unperturbed log-probabilities (the likeliest children first).
+Greedy rows take the plain argmax. Either way only the target decides.
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ from tsengine.attention import paged_attention, write_kv
 from tsengine.context import Context
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.linear import accelerate
-from tsengine.sampling import RowParams, gumbel
+from tsengine.sampling import RowParams, filtered_logprobs, gumbel
 from tsengine.spec.tree import Tree, TreeBuilder
 
 
 class Eagle3Drafter:
     def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str, topk: int = 1,
-                 num_nodes: int | None = None):
+                 num_nodes: int | None = None, rule: str = "gumbel"):
         self.head, self.steps, self.kv, self.block_size, self.backend = accelerate(head), num_steps, kv, block_size, backend
-        self.topk, self.num_nodes = topk, num_nodes or num_steps + 1
+        self.topk, self.num_nodes, self.rule = topk, num_nodes or num_steps + 1, rule
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
 
@@ -46,9 +51,15 @@ class Eagle3Drafter:
         a = paged_attention(q[0].transpose(0, 1), self.kv[0], self.kv[1], ctx, self.scale, self.backend)
         return h.midlayer.finish(a.transpose(0, 1)[None], hidden[None])[0]
 
-    def _choose(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor) -> torch.Tensor:
-        """Target ids of the drafted tokens at `positions` (absolute position of each drafted token)."""
+    def _choose(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor):
+        """Target ids of the drafted tokens at `positions` (absolute position of each drafted token), and
+        for the rejection rule their distribution q over the draft vocab (else None)."""
         logits = self.head.logits(out).float()
+        if self.rule == "rejection" and not rp.all_greedy:
+            logq = filtered_logprobs(logits, rp)
+            noisy = logq + gumbel(rp.seeds, positions, logits.shape[-1], stream=1)
+            pick = torch.where(rp.temperature[:, None] > 0, noisy, logits).argmax(-1)
+            return self.draft_ids_in_target[pick], logq.exp()
         if not rp.all_greedy:
             t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature))
             vocab = self.head.config.vocab_size
@@ -56,17 +67,23 @@ class Eagle3Drafter:
             pick = torch.where(rp.temperature[:, None] > 0, noisy, logits).argmax(-1)
         else:
             pick = logits.argmax(-1)
-        return self.draft_ids_in_target[pick]
+        return self.draft_ids_in_target[pick], None
 
-    def _scores(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor) -> torch.Tensor:
+    def _scores(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         """Tree ranking scores over the draft vocab: log-softmax of the logits, perturbed for sampled rows
-        by the target's own noise at `positions`, so the target's likely draw ranks first."""
+        by the target's own noise at `positions`, so the target's likely draw ranks first (multiround: not
+        perturbed). `rp`/`positions` describe D requests; `out` holds `repeat` consecutive rows of each
+        (a step's K frontier nodes share their position, so the noise is hashed once per request)."""
         logits = self.head.logits(out).float()
-        if not rp.all_greedy:
-            t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature))
-            noisy = logits / t[:, None] + gumbel(rp.seeds, positions, self.head.config.vocab_size)[:, self.draft_ids_in_target]
-            logits = torch.where(rp.temperature[:, None] > 0, noisy, logits)
-        return torch.log_softmax(logits, dim=-1)
+        if rp.all_greedy:
+            return torch.log_softmax(logits, dim=-1)
+        t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature)).repeat_interleave(repeat)
+        scaled = logits / t[:, None]
+        if self.rule != "multiround":
+            noise = gumbel(rp.seeds, positions, self.head.config.vocab_size)[:, self.draft_ids_in_target]
+            scaled = scaled + noise.repeat_interleave(repeat, dim=0)
+        sampled = (rp.temperature > 0).repeat_interleave(repeat)
+        return torch.log_softmax(torch.where(sampled[:, None], scaled, logits), dim=-1)
 
     def _tree(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams) -> Tree:
         """EAGLE-2 tree from the root rows `hidden` [D, H] at draft positions `pos` [D]: node at depth d is
@@ -75,14 +92,13 @@ class Eagle3Drafter:
         tb = TreeBuilder(d, k, self.steps, self.num_nodes, dev)
         tb.root(self._scores(hidden, rp, pos + 2))
         parent_out = hidden[:, None].expand(d, k, h)
-        rows = torch.arange(d, device=dev).repeat_interleave(k)
-        rpk, lane = rp.index(rows), torch.arange(k, device=dev)
+        lane = torch.arange(k, device=dev)
         for s in range(1, self.steps):
             ctx = Context.lanes(tables, (pos + s)[:, None].expand(d, k), (pos + 1)[:, None] + (s - 1) * k + lane,
                                 pos + 1, tb.frontier_lane_bits(), self.block_size)
             ids = self.draft_ids_in_target[tb.frontier_tokens()].flatten()
             out = self._layer(ids, parent_out.reshape(d * k, h), ctx).view(d, k, h)
-            fed = tb.expand(self._scores(out.flatten(0, 1), rpk, pos[rows] + 2 + s).view(d, k, -1))
+            fed = tb.expand(self._scores(out.flatten(0, 1), rp, pos + 2 + s, repeat=k).view(d, k, -1))
             parent_out = out.gather(1, fed[..., None].expand(d, k, h))
         tree, _ = tb.finish()
         tree.tokens = self.draft_ids_in_target[tree.tokens]
@@ -90,11 +106,11 @@ class Eagle3Drafter:
 
     @torch.no_grad()
     def extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
-                         tables: torch.Tensor, rp: RowParams) -> torch.Tensor | None:
+                         tables: torch.Tensor, rp: RowParams):
         """Extend the draft cache over ctx's runs, then draft `steps` tokens for the requests whose last
         extended row is `last_rows` [D] (their block tables `tables` [D, M], sampling rows `rp`).
-        Returns [D, steps] target ids (a chain), a `Tree` of target ids (topk > 1), or None when no
-        request drafts."""
+        Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None), a `Tree` of target
+        ids (topk > 1), or None when no request drafts."""
         out = self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx)
         if last_rows.numel() == 0:
             return None
@@ -102,10 +118,12 @@ class Eagle3Drafter:
         pos = ctx.positions[last_rows]  # draft position of the chain's first input; it drafts token pos + 2
         if self.topk > 1:
             return self._tree(hidden, pos, tables, rp)
-        drafts = [self._choose(hidden, rp, pos + 2)]
-        for _ in range(1, self.steps):
-            pos = pos + 1
-            step = Context.one_each(tables, pos, self.block_size)
-            hidden = self._layer(drafts[-1], hidden, step)
-            drafts.append(self._choose(hidden, rp, pos + 2))
-        return torch.stack(drafts, dim=1)
+        drafts, qs = [], []
+        for s in range(self.steps):
+            if s:
+                pos = pos + 1
+                hidden = self._layer(drafts[-1], hidden, Context.one_each(tables, pos, self.block_size))
+            d, q = self._choose(hidden, rp, pos + 2)
+            drafts.append(d)
+            qs.append(q)
+        return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if qs[0] is not None else None)
