@@ -97,3 +97,18 @@ def test_block_manager_refcounts():
     assert bm.num_free == 6
     with pytest.raises(AssertionError):
         bm.check([[0]])
+
+
+def test_uniforms_stay_inside_the_open_interval():
+    """Every 32-bit hash maps strictly inside (0, 1) (the top of the range once rounded to 1.0, which made
+    Gumbel noise +inf), and a large-vocab draw never picks a filtered id."""
+    from tsengine.sampling import unit
+
+    top = unit(torch.arange(2**23, dtype=torch.long) << 9 | 0x1FF)  # every value the top 23 bits can take
+    assert float(top.min()) > 0 and float(top.max()) < 1 and torch.isfinite(-torch.log(-torch.log(top))).all()
+    v, n = 128256, 2000
+    logits = torch.full((v,), -30.0)
+    logits[:5] = torch.tensor([12.0, 2.0, 1.0, 0.5, 0.0])  # one id holds almost all the mass
+    rp = RowParams.build([SamplingParams(temperature=1.0, top_k=5)] * n, list(range(n)), "cpu")
+    draws = sample(logits.expand(n, -1), rp, torch.arange(n) + 7)
+    assert int(draws.max()) < 5

@@ -24,6 +24,16 @@ N_SAMPLES, T, PROMPT = 20000, 1.0, [5, 17, 33]
 
 
 # ---- the rules alone ---------------------------------------------------------------------------------------------
+def chi2_merged(observed, expected, min_expected=5.0):
+    """χ² p-value with the cells expected below `min_expected` pooled into one (Pearson's test is only
+    trustworthy with expected counts of about 5 or more)."""
+    small = expected < min_expected
+    if small.any():
+        observed = torch.cat([observed[~small], observed[small].sum(0, keepdim=True)])
+        expected = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    return chi2_pvalue(observed, expected)
+
+
 def _dist(g, v, sharp=1.5):
     return torch.softmax(torch.randn(v, generator=g, dtype=torch.float64) * sharp, -1)
 
@@ -39,7 +49,7 @@ def test_rejection_rule_samples_p_and_accepts_at_one_minus_tv():
                             torch.arange(w), torch.arange(s + 1).expand(w, -1) + 50)
     for i in range(s + 1):
         observed = torch.bincount(draws[:, i], minlength=v).double()
-        assert chi2_pvalue(observed, p[i] * w) > 1e-3, f"row {i}"
+        assert chi2_merged(observed, p[i] * w) > 1e-3, f"row {i}"
     for i in range(s):
         rate = (draws[:, i] == drafts[:, i]).double().mean()
         want = torch.minimum(p[i], q[i]).sum()
@@ -50,8 +60,9 @@ def test_rejection_rule_samples_p_and_accepts_at_one_minus_tv():
 
 
 def test_multiround_rule_samples_p():
-    """A root with three children, a node with one, a leaf: every node's draw is distributed as p, and a
-    child is taken exactly when the draw is that child (probability p(child), children tried in order)."""
+    """A root with three children, a node with one, a leaf: every node's draw is distributed as p (with
+    children tried in order and the residual drawn when none is taken). Note that plain sampling from p
+    would pass this too: exactness is the whole contract; which noise decides is not observable."""
     g, v, w = torch.Generator().manual_seed(1), 8, N_SAMPLES
     p = torch.stack([_dist(g, v, 2.0) for _ in range(5)])
     parents = torch.tensor([0, 0, 1, 0, 0])  # node 1 (child of root) has child 2; nodes 3, 4 are the root's
@@ -60,9 +71,7 @@ def test_multiround_rule_samples_p():
                              torch.arange(w), torch.tensor([3, 4, 5, 4, 4]).expand(w, -1), topk=3)
     for node in range(5):
         observed = torch.bincount(draws[:, node], minlength=v).double()
-        assert chi2_pvalue(observed, p[node] * w) > 1e-3, f"node {node}"
-    root_children = tokens[[1, 3, 4]]
-    assert torch.isin(draws[:, 0], root_children).double().mean() > 0.3  # the accept branch is exercised
+        assert chi2_merged(observed, p[node] * w) > 1e-3, f"node {node}"
 
 
 def make_llm(tiny_dirs, spec, **kw):
@@ -163,6 +172,7 @@ def chi2_against_exact(outputs, cells, n):
     for o in outputs:
         observed[index.get(tuple(o.outputs[0].token_ids[:3]), len(keys))] += 1
     expected = torch.tensor([cells[k] for k in keys] + [n - sum(cells.values())], dtype=torch.float64)
+    assert expected[-1] >= 5, "the pooled cell is too small for the χ² approximation"
     return chi2_pvalue(observed, expected)
 
 
@@ -190,7 +200,8 @@ def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models
     cells = expected_joint(exact, PROMPT, N_SAMPLES)
     assert len(cells) >= 20, "too few cells for a meaningful test"
     st = llm.engine.stats
-    assert st.num_accepted > 0.2 * st.num_drafts or oracle is None, "the accept branch was barely exercised"
+    floor = 0.2 if oracle is not None else 0.05  # the head's own drafts accept less, but must accept
+    assert st.num_accepted > floor * st.num_drafts, "the accept branch was barely exercised"
     pvalue = chi2_against_exact(outputs, cells, N_SAMPLES)
     print(f"{rule}: {len(cells)} cells, accepted {st.num_accepted} over {st.num_drafts} windows, p = {pvalue:.3g}")
     assert pvalue > 1e-3
@@ -238,6 +249,7 @@ def test_rule_flags_resolve_and_conflict():
                                                   "tree_sampling": "multiround"}).rule == "multiround"
     with pytest.raises(UserError, match="without speculative decoding"):
         SpeculativeConfig.resolve(speculative_sampling=True)
+    assert SpeculativeConfig.resolve(speculative_sampling=False, tree_sampling="gumbel") is None  # defaults: no-ops
     with pytest.raises(UserError, match="conflicts with the flag for tree_sampling"):
         SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h", "tree_sampling": "gumbel"},
                                   tree_sampling="multiround")

@@ -95,6 +95,7 @@ class SpeculativeConfig(_Strict):
         flags = {k: v for k, v in flags.items() if v is not None}
         rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling}
         rules = {k: v for k, v in rules.items() if v is not None}
+        asked = {k for k, v in rules.items() if v not in (False, "gumbel")}  # the defaults ask for nothing
         merged = dict(flags)
         if config_json is not None:
             if isinstance(config_json, str):
@@ -124,8 +125,8 @@ class SpeculativeConfig(_Strict):
                 merged[field] = value
             fail_if(problems, "invalid --speculative-config")
         if not merged:
-            if rules:
-                raise UserError(f"{', '.join(rules)} set without speculative decoding: give "
+            if asked:
+                raise UserError(f"{', '.join(sorted(asked))} set without speculative decoding: give "
                                 "--speculative-algorithm (or --speculative-config) too")
             return None
         merged = {**rules, **merged}

@@ -229,7 +229,9 @@ class Engine:
         seeds, pos = rpw.seeds.view(w, n)[:, 0], row_pos[vrow]
         if self.rule == "rejection":  # q over the draft vocab, scattered into the target's
             ids = self.runner.drafter.draft_ids_in_target
-            empty = logp.new_zeros(n - 1, ids.numel())
+            empty = logp.new_zeros(n - 1, ids.numel())  # greedy rows: never read (they keep exact matching)
+            if any(s.draft_q is None and not s.params.greedy for s in vseqs):
+                raise RuntimeError("a sampled request reached verification without its recorded q")
             q = logp.new_zeros(w, n - 1, logp.shape[-1])
             q[..., ids] = torch.stack([s.draft_q if s.draft_q is not None else empty for s in vseqs])
             new = rejection_draws(logp, drafts, q, seeds, pos)
@@ -291,4 +293,5 @@ class Engine:
             if self.tree:
                 q.drafts, q.tree = out.tokens[j, 1:], (out.parents[j], out.depths[j], out.ancestors[j])
             else:
-                q.drafts, q.draft_q = out[0][j], (out[1][j] if out[1] is not None else None)
+                # q is cloned: a view would keep the whole batch's [D, S, vocab] alive past this request's verify
+                q.drafts, q.draft_q = out[0][j], (out[1][j].clone() if out[1] is not None else None)

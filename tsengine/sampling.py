@@ -84,7 +84,14 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int, stream: in
     key = _fmix32(_fmix32((s & M32) ^ 0x5BD1E995) ^ ((s >> 32) & M32) ^ (stream * 0x27D4EB2F & M32))
     row = _fmix32(key ^ (positions.long() & M32))
     h = _fmix32(row[:, None] ^ _id_hash(vocab, seeds.device)[None])
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return unit(h)
+
+
+def unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 in (0, 1): the top 23 bits plus one half, so the largest value is 1 - 2^-24,
+    which float32 holds exactly (with 24 bits, k + 0.5 rounds to 2^24 and u = 1.0 makes Gumbel noise +inf:
+    that id would win the argmax whatever its probability, filtered or not)."""
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def gumbel(seeds, positions, vocab: int, stream: int = 0) -> torch.Tensor:

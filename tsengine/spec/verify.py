@@ -8,7 +8,9 @@ walks the path unchanged. Rejected children can never equal the residual draw: a
 p(x) ≤ q(x), so the residual gives it zero mass (chain), or x was removed from p (multi-round).
 
 All randomness is keyed like `tsengine.sampling`: (request seed, draw position, stream). Stream 0 is plain
-sampling's, 1 the drafter's own samples, 2 the acceptance uniforms, 3 the residual draws. The noise a
+sampling's, 1 the drafter's own samples, 2 the acceptance uniforms, 3 and 4 the residual draws.
+Comparisons of a uniform against a probability run in float64, where u·r(x) < r(x) holds exactly for
+u < 1 (in float32 the product can round up to r(x) and reject a child that holds all remaining mass). The noise a
 node uses at one position is shared by nodes of the same depth in other subtrees; only one of them is ever
 on the accepted path, so the draws along the path stay independent.
 """
@@ -19,7 +21,7 @@ import torch
 
 from tsengine.sampling import uniform
 
-ACCEPT, RESIDUAL = 2, 3  # noise streams
+ACCEPT, RESIDUAL, RESIDUAL_LO = 2, 3, 4  # noise streams
 
 
 def _residual_draw(dist: torch.Tensor, fallback: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -30,7 +32,11 @@ def _residual_draw(dist: torch.Tensor, fallback: torch.Tensor, seeds: torch.Tens
     w, n, v = dist.shape
     dist = torch.where(dist.sum(-1, keepdim=True) > 0, dist, fallback).double()
     cdf = dist.cumsum(-1)
-    u = uniform(seeds.repeat_interleave(n), pos.flatten(), 1, stream=RESIDUAL).view(w, n, 1).double() * cdf[..., -1:]
+    seeds, pos = seeds.repeat_interleave(n), pos.flatten()
+    # 46 random bits from two 23-bit uniforms: one grid step (2^-46) is far below any token's mass, where a
+    # single float32 uniform would round every probability to a multiple of 2^-23.
+    hi, lo = (uniform(seeds, pos, 1, stream=s)[:, 0].double() for s in (RESIDUAL, RESIDUAL_LO))
+    u = ((torch.floor(hi * (1 << 23)) + lo) * 2.0 ** -23).view(w, n, 1) * cdf[..., -1:]
     idx = torch.searchsorted(cdf, u, right=True)  # the first id whose CDF exceeds u: it has mass
     last = v - 1 - (dist.flip(-1) > 0).int().argmax(-1, keepdim=True)  # u rounded up to the total: the last id with mass
     return torch.minimum(idx, last)[..., 0]
@@ -49,7 +55,7 @@ def rejection_draws(logp: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, s
     x = drafts[..., None]
     px, qx = p[:, :s].gather(-1, x)[..., 0], q.gather(-1, x)[..., 0]
     u = uniform(seeds.repeat_interleave(s), pos[:, :s].flatten(), 1, stream=ACCEPT).view(w, s)
-    accept = u * qx < px
+    accept = u.double() * qx.double() < px.double()
     residual = torch.cat([(p[:, :s] - q).clamp_min(0), p[:, s:]], dim=1)
     draw = _residual_draw(residual, p, seeds, pos)
     return torch.cat([torch.where(accept, drafts, draw[:, :s]), draw[:, s:]], dim=1)
@@ -76,7 +82,7 @@ def multiround_draws(logp: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
         has = sel.any(-1) & ~done
         x = (kids * sel).sum(-1, keepdim=True)  # [W, N, 1]; 0 where the node has no j-th child
         rx = r.gather(-1, x)
-        take = has & (u[..., j] * r.sum(-1) < rx[..., 0])
+        take = has & (u[..., j].double() * r.sum(-1).double() < rx[..., 0].double())
         draw = torch.where(take, x[..., 0], draw)
         done |= take
         r.scatter_(-1, x, torch.where((has & ~take)[..., None], torch.zeros_like(rx), rx))
