@@ -28,6 +28,7 @@ from tsengine.runner import Runner, reserve_slots
 from tsengine.sampling import RowParams, SamplingParams, filtered_logprobs, gumbel, sample
 from tsengine.scheduler import Scheduler
 from tsengine.sequence import Sequence, Status
+from tsengine.spec.tree import Tree
 
 log = logging.getLogger("tsengine")
 
@@ -59,7 +60,7 @@ class Engine:
         self.window = s.num_draft_tokens if s else 1  # N: the root plus the drafts
         self.tree = bool(s and s.is_tree)
         self.rule = s.rule if s else "gumbel"
-        self._chain_parents = (torch.arange(self.window, device=self.runner.device) - 1).clamp(min=0)
+        self._chain_parents = Tree.chain(1, self.window, self.runner.device).parents  # [1, N]: parent[i] = i - 1
         self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.window, reserve_slots(s))
         self.requests: dict[str, Sequence] = {}
@@ -103,6 +104,7 @@ class Engine:
         long = dict(dtype=torch.long, device=dev)
         ids, runs, draft_slots, drafts, rows, row_seq, row_pos = [], [], [], [], [], [], []
         vstart, vbase, vseqs = [], [], []  # per verify window: first sampled row, first token index, sequence
+        plain_rows = []  # sampled rows outside verify windows (a prefill chunk's or a decode token's last row)
         bases = []  # each scheduled run's first row in the flat batch
         for s in batch:
             seq, base = s.seq, len(ids)
@@ -118,8 +120,7 @@ class Engine:
                 ids.extend(seq.tokens[s.start:s.start + s.num_tokens])
             if s.samples:  # rows whose logits draw a token: the whole window, or the chunk's last row
                 first = base if s.verify else base + s.num_tokens - 1
-                if s.verify:
-                    vstart.append(len(rows))
+                (vstart if s.verify else plain_rows).append(len(rows))
                 rows.extend(range(first, base + s.num_tokens))
                 row_seq.extend([seq] * (base + s.num_tokens - first))
                 row_pos.extend(range(s.start + (first - base) + 1, s.start + s.num_tokens + 1))
@@ -138,21 +139,21 @@ class Engine:
             else:
                 parents = self._chain_parents.expand(len(vseqs), N)
         hidden, aux = r.model(input_ids, ctx, r.kv)
+        drafted = torch.stack(drafts) if drafts else None  # [W, N-1]
         rp = RowParams.build([q.params for q in row_seq], [q.seed for q in row_seq], dev)
         logits = r.model.logits(hidden[torch.tensor(rows, **long)])
         noise = None
         if self.tree and drafts and not rp.all_greedy:
-            windows = {i for v in vstart for i in range(v, v + N)}
-            other = torch.tensor([i for i in range(len(row_seq)) if i not in windows], **long)
+            other = torch.tensor(plain_rows, **long)
             noise = self._tree_noise(rp, row_pos, vrow, other, starts, depths, logits.shape[-1])
         draws = sample(logits, rp, row_pos, noise)
         if drafts and self.rule != "gumbel" and not rp.all_greedy:
-            self._rule_draws(draws, logits, rp, row_pos, vrow, vseqs, torch.stack(drafts), parents)
+            self._rule_draws(draws, logits, rp, row_pos, vrow, vseqs, drafted, parents)
         ok = None
         if drafts:  # a node is accepted when its token is its parent's draw and its parent is accepted
             d = draws[vrow]
             match = torch.cat([torch.ones_like(d[:, :1], dtype=torch.bool),
-                               torch.stack(drafts) == d.gather(1, parents)[:, 1:]], dim=1)
+                               drafted == d.gather(1, parents)[:, 1:]], dim=1)
             ok = match
             for _ in range(S):  # one level deeper per pass (depth ≤ S); a chain is the cumulative product
                 ok = match & ok.gather(1, parents)

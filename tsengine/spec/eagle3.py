@@ -51,6 +51,22 @@ class Eagle3Drafter:
         a = paged_attention(q[0].transpose(0, 1), self.kv[0], self.kv[1], ctx, self.scale, self.backend)
         return h.midlayer.finish(a.transpose(0, 1)[None], hidden[None])[0]
 
+    def _ranking(self, logits: torch.Tensor, rp: RowParams, positions: torch.Tensor, repeat: int = 1) -> torch.Tensor:
+        """What the drafter ranks its candidates by: the raw logits for greedy rows; for sampled rows
+        logits / T plus the target's own noise at `positions`, so the target's likely draw ranks first (the
+        multiround rule: not perturbed). `rp`/`positions` describe D requests; `logits` holds `repeat`
+        consecutive rows of each (a tree step's K frontier nodes share their position, so the noise is
+        hashed once per request)."""
+        if rp.all_greedy:
+            return logits
+        t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature)).repeat_interleave(repeat)
+        scaled = logits / t[:, None]
+        if self.rule != "multiround":
+            noise = gumbel(rp.seeds, positions, self.head.config.vocab_size)[:, self.draft_ids_in_target]
+            scaled = scaled + noise.repeat_interleave(repeat, dim=0)
+        sampled = (rp.temperature > 0).repeat_interleave(repeat)
+        return torch.where(sampled[:, None], scaled, logits)
+
     def _choose(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor):
         """Target ids of the drafted tokens at `positions` (absolute position of each drafted token), and
         for the rejection rule their distribution q over the draft vocab (else None)."""
@@ -60,30 +76,11 @@ class Eagle3Drafter:
             noisy = logq + gumbel(rp.seeds, positions, logits.shape[-1], stream=1)
             pick = torch.where(rp.temperature[:, None] > 0, noisy, logits).argmax(-1)
             return self.draft_ids_in_target[pick], logq.exp()
-        if not rp.all_greedy:
-            t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature))
-            vocab = self.head.config.vocab_size
-            noisy = logits / t[:, None] + gumbel(rp.seeds, positions, vocab)[:, self.draft_ids_in_target]
-            pick = torch.where(rp.temperature[:, None] > 0, noisy, logits).argmax(-1)
-        else:
-            pick = logits.argmax(-1)
-        return self.draft_ids_in_target[pick], None
+        return self.draft_ids_in_target[self._ranking(logits, rp, positions).argmax(-1)], None
 
     def _scores(self, out: torch.Tensor, rp: RowParams, positions: torch.Tensor, repeat: int = 1) -> torch.Tensor:
-        """Tree ranking scores over the draft vocab: log-softmax of the logits, perturbed for sampled rows
-        by the target's own noise at `positions`, so the target's likely draw ranks first (multiround: not
-        perturbed). `rp`/`positions` describe D requests; `out` holds `repeat` consecutive rows of each
-        (a step's K frontier nodes share their position, so the noise is hashed once per request)."""
-        logits = self.head.logits(out).float()
-        if rp.all_greedy:
-            return torch.log_softmax(logits, dim=-1)
-        t = torch.where(rp.temperature > 0, rp.temperature, torch.ones_like(rp.temperature)).repeat_interleave(repeat)
-        scaled = logits / t[:, None]
-        if self.rule != "multiround":
-            noise = gumbel(rp.seeds, positions, self.head.config.vocab_size)[:, self.draft_ids_in_target]
-            scaled = scaled + noise.repeat_interleave(repeat, dim=0)
-        sampled = (rp.temperature > 0).repeat_interleave(repeat)
-        return torch.log_softmax(torch.where(sampled[:, None], scaled, logits), dim=-1)
+        """Tree ranking scores over the draft vocab: log-softmax of `_ranking`."""
+        return torch.log_softmax(self._ranking(self.head.logits(out).float(), rp, positions, repeat), dim=-1)
 
     def _tree(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams) -> Tree:
         """EAGLE-2 tree from the root rows `hidden` [D, H] at draft positions `pos` [D]: node at depth d is

@@ -71,9 +71,9 @@ def ancestor_bits(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 class TreeBuilder:
     """Feed it log-probabilities step by step (`root`, then `expand` S-1 times), then `finish`.
 
-    Between calls the drafter runs its head on `frontier_tokens()` with hidden states from the parents
-    (`frontier_parents()` indexes the previous step's fed nodes), at lane slots `lanes(s)` with the
-    visibility bitmask `frontier_lane_bits()`."""
+    Between calls the drafter runs its head on `frontier_tokens()` with hidden states from their parents
+    (`expand` returns which of the nodes just fed is each new frontier node's parent), in the step's lanes
+    with the visibility bitmask `frontier_lane_bits()`."""
 
     def __init__(self, batch: int, topk: int, steps: int, num_nodes: int, device):
         self.b, self.k, self.s, self.n, self.device = batch, topk, steps, num_nodes, device
