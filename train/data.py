@@ -132,18 +132,51 @@ def assistant_spans(tok, messages: list[dict[str, str]]) -> tuple[str, list[tupl
     return full, spans
 
 
+def span_mask(offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """A token is trained if it overlaps an assistant span (one that straddles the start, " Hello" after
+    "Assistant:", is what the model emits)."""
+    return [int(b > a and any(max(a, s) < min(b, e) for s, e in spans)) for a, b in offsets]
+
+
 def tokenize(tok, messages: list[dict[str, str]], max_length: int | None = None) -> Example:
     full, spans = assistant_spans(tok, messages)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    # a token is trained if it overlaps an assistant span (one that straddles the start, " Hello" after
-    # "Assistant:", is what the model emits)
-    mask = [int(b > a and any(max(a, s) < min(b, e) for s, e in spans)) for a, b in offsets]
+    mask = span_mask(offsets, spans)
     if max_length is not None and len(ids) > max_length:
         raise ValueError("over max length")
     if not any(mask):
         raise ValueError("no assistant tokens")
     return Example(ids, mask)
+
+
+def captured_example(tok, messages: list[dict[str, str]], prompt_ids: list[int], answer_ids: list[int],
+                     max_length: int | None = None) -> Example:
+    """The training example of a conversation whose last reply the engine generated: the token ids are
+    exactly the ones the target ran (`prompt_ids`, its rendered generation prompt, then `answer_ids`,
+    the sampled tokens up to and including the stop token), never a re-tokenization of the decoded text,
+    which can differ from what was sampled and would pair features with the wrong tokens.
+
+    The loss mask still comes from the chat template: the prompt's tokens are masked by the character
+    spans of `tokenize` (earlier assistant turns are trained on), and the answer's tokens are all trained
+    on — which is right only if the template writes the reply exactly as it was decoded, followed by its
+    end-of-turn token. That is checked, and a row where it does not hold (a template that trims or
+    rewrites the reply, a stop token that is not the template's end of turn) raises ValueError: counted
+    and skipped, never trained on with a shifted mask."""
+    full, spans = assistant_spans(tok, messages)
+    prompt_text = render(tok, messages[:-1], add_generation_prompt=True)
+    if not full.startswith(prompt_text):
+        raise ValueError("template does not extend the generation prompt")
+    enc = tok(prompt_text, add_special_tokens=False, return_offsets_mapping=True)
+    if enc["input_ids"] != list(prompt_ids):
+        raise ValueError("prompt ids differ from the rendered prompt")
+    answer = tok.decode(answer_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if not full.startswith(answer, len(prompt_text)):
+        raise ValueError("captured answer differs from the template's rendering")
+    ids = list(prompt_ids) + list(answer_ids)
+    if max_length is not None and len(ids) > max_length:
+        raise ValueError("over max length")
+    return Example(ids, span_mask(enc["offset_mapping"], spans) + [1] * len(answer_ids))
 
 
 def load_rows(source: str, split: str = "train") -> Iterable[dict[str, Any]]:

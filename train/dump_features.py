@@ -12,69 +12,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from train.features import INDEX, TargetFeatures, sha256_file
+from train.features import DTYPES, INDEX, ShardWriter, TargetFeatures, sidecars
 from train.stages import MARKER, digest, is_done, read_marker
 from tsengine.errors import UserError, run_main
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _sidecars(out: Path, key: str) -> list[dict]:
-    """Finished shards of this key; leftovers of another key (a stale dump) are removed."""
-    found = []
-    for side in sorted(out.glob("shard-*.json")):
-        try:
-            meta = json.loads(side.read_text())
-        except ValueError:
-            meta = None
-        shard = side.with_suffix(".safetensors")
-        if meta is None or meta.get("key") != key or not shard.exists():
-            side.unlink(missing_ok=True)
-            shard.unlink(missing_ok=True)
-            continue
-        found.append(meta)
-    return found
-
 
 def dump(model, dataset, layer_ids, out: str | Path, key: str, dtype: str = "float32", batch_tokens: int = 8192,
          shard_tokens: int = 262144, rank: int = 0, world: int = 1, progress: bool = True) -> None:
     """This rank's share of the examples, skipping those already dumped under the same key."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    done = {e for m in _sidecars(out, key) for e in m["examples"]}
+    done = {e for m in sidecars(out, key) for e in m["examples"]}
     mine = [i for i in range(rank, len(dataset), world) if i not in done]
     mine.sort(key=lambda i: len(dataset[i]["input_ids"]))
     feats = TargetFeatures(model, layer_ids)
-    seq = 1 + max([int(p.stem.split("-")[2]) for p in out.glob(f"shard-r{rank:03d}-*.json")] or [-1])
-    pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    dev, cast = next(model.parameters()).device, DTYPES[dtype]
-
-    def flush() -> None:
-        nonlocal seq, pending
-        if not pending:
-            return
-        name = f"shard-r{rank:03d}-{seq:05d}"
-        lengths = [p[1].shape[0] for p in pending]
-        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-        tensors = {"aux": torch.cat([p[1] for p in pending]).contiguous(),
-                   "final": torch.cat([p[2] for p in pending]).contiguous(),
-                   "argmax": torch.cat([p[3] for p in pending]).to(torch.int32).contiguous()}
-        tmp = out / f".{name}.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, out / f"{name}.safetensors")
-        meta = {"key": key, "file": f"{name}.safetensors", "sha256": sha256_file(out / f"{name}.safetensors"),
-                "examples": [p[0] for p in pending], "offsets": offsets, "lengths": lengths}
-        (out / f".{name}.json.tmp").write_text(json.dumps(meta))
-        os.replace(out / f".{name}.json.tmp", out / f"{name}.json")
-        seq, pending = seq + 1, []
+    writer = ShardWriter(out, key, f"shard-r{rank:03d}", dtype, shard_tokens)
+    dev = next(model.parameters()).device
 
     bar = tqdm(total=len(mine), desc=f"dump_features[{rank}]", unit="seq", disable=not progress)
     i = 0
@@ -93,18 +51,16 @@ def dump(model, dataset, layer_ids, out: str | Path, key: str, dtype: str = "flo
         f = feats(ids.to(dev), att.to(dev))
         for r, e in enumerate(batch):
             n = int(att[r].sum())
-            pending.append((e, f.aux[r, :n].to(cast).cpu(), f.final[r, :n].to(cast).cpu(), f.argmax[r, :n].cpu()))
-        if sum(p[1].shape[0] for p in pending) >= shard_tokens:
-            flush()
+            writer.add(e, f.aux[r, :n], f.final[r, :n], f.argmax[r, :n])
         bar.update(len(batch))
         i = j
-    flush()
+    writer.flush()
     bar.close()
 
 
 def finalize(out: Path, key: str, n_examples: int, info: dict) -> dict:
     """Rank 0, after every rank finished: index.json + the stage marker."""
-    shards = _sidecars(out, key)
+    shards = sidecars(out, key)
     have = {e for m in shards for e in m["examples"]}
     if len(have) != n_examples:
         raise UserError(f"features {out}: {n_examples - len(have)} examples missing after the dump")
@@ -140,6 +96,8 @@ def run(model, dataset, prepared: Path, layer_ids, out: Path, dtype: str, batch_
 
 
 def main(argv: list[str] | None = None) -> int:
+    from train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
+    use_machine_cores()
     p = argparse.ArgumentParser(prog="accelerate launch -m train.dump_features", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True, help="prepared data directory (python -m train.prepare_data)")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tsengine.eagle3.head import aux_hidden_states
 from tsengine.errors import UserError
@@ -55,6 +57,66 @@ class TargetFeatures:
 
 # ---- offline store --------------------------------------------------------------------------------
 INDEX = "index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ShardWriter:
+    """Appends examples' features and writes them as one shard once `shard_tokens` have gathered: the
+    safetensors file (aux, final, argmax, sequences concatenated) lands atomically, then a sidecar JSON
+    naming its examples, offsets, lengths, sha256 and the producing key, plus any per-example `extra`
+    fields (captured token ids, masks). A shard without its sidecar does not exist for a reader, so a
+    killed writer loses at most the shard in progress."""
+
+    def __init__(self, out: Path, key: str, prefix: str, dtype: str, shard_tokens: int):
+        self.out, self.key, self.prefix, self.cast, self.shard_tokens = Path(out), key, prefix, DTYPES[dtype], shard_tokens
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.seq = 1 + max([int(p.stem.rsplit("-", 1)[1]) for p in self.out.glob(f"{prefix}-*.json")] or [-1])
+        self.pending: list[tuple] = []
+
+    def existing(self) -> list[dict]:
+        """Sidecars of finished shards under this key (another key's shards are removed)."""
+        return sidecars(self.out, self.key, f"{self.prefix}-*.json")
+
+    def add(self, example, aux: torch.Tensor, final: torch.Tensor, argmax: torch.Tensor, **extra) -> None:
+        self.pending.append((example, aux.to(self.cast).cpu(), final.to(self.cast).cpu(), argmax.cpu(), extra))
+        if sum(p[1].shape[0] for p in self.pending) >= self.shard_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name, p = f"{self.prefix}-{self.seq:05d}", self.pending
+        lengths = [x[1].shape[0] for x in p]
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        tensors = {"aux": torch.cat([x[1] for x in p]).contiguous(), "final": torch.cat([x[2] for x in p]).contiguous(),
+                   "argmax": torch.cat([x[3] for x in p]).to(torch.int32).contiguous()}
+        tmp = self.out / f".{name}.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self.out / f"{name}.safetensors")
+        meta = {"key": self.key, "file": f"{name}.safetensors", "sha256": sha256_file(self.out / f"{name}.safetensors"),
+                "examples": [x[0] for x in p], "offsets": offsets, "lengths": lengths}
+        for field in p[0][4]:
+            meta[field] = [x[4][field] for x in p]
+        (self.out / f".{name}.json.tmp").write_text(json.dumps(meta))
+        os.replace(self.out / f".{name}.json.tmp", self.out / f"{name}.json")
+        self.seq, self.pending = self.seq + 1, []
+
+
+def sidecars(out: Path, key: str, pattern: str = "shard-*.json") -> list[dict]:
+    """Finished shards of this key; leftovers of another key (a stale run) are removed."""
+    found = []
+    for side in sorted(Path(out).glob(pattern)):
+        try:
+            meta = json.loads(side.read_text())
+        except ValueError:
+            meta = None
+        shard = side.with_suffix(".safetensors")
+        if meta is None or meta.get("key") != key or not shard.exists():
+            side.unlink(missing_ok=True)
+            shard.unlink(missing_ok=True)
+            continue
+        found.append(meta)
+    return found
 
 
 def sha256_file(path: Path) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tsengine.errors import UserError
 
@@ -30,14 +30,23 @@ class Data(_Strict):
     max_samples: Optional[int] = Field(None, ge=1)  # train rows used (quick runs)
     max_val_samples: Optional[int] = Field(None, ge=1)
     regenerate: bool = True  # replace assistant turns with the target's own answers
+    # extra training prompts the target writes itself, per built-in category, from seed examples
+    # (train/prompts/synthetic.py); deduplicated and filtered; 0 = none
+    synthetic_prompts: int = Field(0, ge=0, le=1_000_000)
 
 
 class Regen(_Strict):
-    batch_size: int = Field(32, ge=1, le=4096)
+    # engine: tsengine's LLM (continuous batching, chunked prefill; captures features in offline mode);
+    # hf: transformers `generate`, for targets the engine does not support
+    backend: Literal["engine", "hf"] = "engine"
+    batch_size: int = Field(32, ge=1, le=4096)  # hf: conversations per generate call; engine: max_num_seqs
     max_new_tokens: int = Field(256, ge=1, le=32768)
     temperature: float = Field(0.0, ge=0.0, le=5.0)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = 0
+    # answers per prompt drawn at `temperature` (> 0 when above 1), each with its own keyed seed
+    samples_per_prompt: int = Field(1, ge=1, le=64)
+    include_greedy: bool = False  # also the greedy answer of every prompt (with temperature > 0)
 
 
 class Vocab(_Strict):
@@ -85,6 +94,8 @@ class Log(_Strict):
 
 
 class Eval(_Strict):
+    backend: Literal["engine", "reference"] = "engine"  # engine: fast; reference: the slow oracle only
+    oracle_prompts: int = Field(2, ge=0)  # engine backend: prompts re-run by the oracle; a mismatch is an error
     num_prompts: int = Field(20, ge=1)
     max_new_tokens: int = Field(128, ge=1, le=32768)
     chain: tuple[int, int, int] = (3, 1, 4)  # steps, topk, num_draft_tokens
@@ -103,6 +114,16 @@ class Recipe(_Strict):
     train: Optim = Optim()
     log: Log = Log()
     eval: Eval = Eval()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Recipe":
+        g = self.regen
+        if g.samples_per_prompt > 1 and g.temperature == 0:
+            raise ValueError(f"regen.samples_per_prompt={g.samples_per_prompt} needs regen.temperature > 0 "
+                             "(greedy decoding has one answer per prompt)")
+        if g.include_greedy and g.temperature == 0:
+            raise ValueError("regen.include_greedy needs regen.temperature > 0 (the answers are greedy already)")
+        return self
 
 
 def _range_of(model: type[BaseModel], loc: tuple) -> str:
@@ -141,6 +162,9 @@ def validate(raw: dict[str, Any], where: str = "recipe") -> Recipe:
                 continue
             if err["type"] == "missing":
                 lines.append(f"{name}: required")
+                continue
+            if not err["loc"]:  # a rule across fields: the message names them
+                lines.append(err["msg"].removeprefix("Value error, "))
                 continue
             allowed = _range_of(Recipe, loc)
             got = err.get("input")

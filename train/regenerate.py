@@ -30,6 +30,22 @@ def row_id(row: dict[str, Any], index: int) -> str:
     return str(row.get("id") if row.get("id") is not None else index)
 
 
+def answer_rows(rows: list[dict[str, Any]], temperature: float, samples: int = 1,
+                include_greedy: bool = False) -> list[dict[str, Any]]:
+    """Each prompt row becomes the rows of its answers, each with its own id and `temperature`: the greedy
+    answer keeps the row's id, sampled answer k is `<id>~s<k>`. More answers per prompt are the cheapest
+    new data: the prompt's prefill is short next to the answer, and samples cover the branches the target
+    takes at T > 0, which is where a draft meets them at T > 0."""
+    if temperature == 0:
+        return [{**r, "temperature": 0.0} for r in rows]
+    out = []
+    for r in rows:
+        if include_greedy:
+            out.append({**r, "temperature": 0.0})
+        out.extend({**r, "id": f"{r['id']}~s{k}", "temperature": temperature} for k in range(samples))
+    return out
+
+
 def read_done(path: Path) -> set[str]:
     """Ids already written. A torn last line (killed mid-write) is dropped and the file rewritten."""
     if not path.exists():
@@ -155,6 +171,8 @@ class Regenerator:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
+    use_machine_cores()
     p = argparse.ArgumentParser(prog="python -m train.regenerate", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="HF directory, embedded name (smollm2-135m) or hub id")
     p.add_argument("--data", required=True, help="JSON/JSONL/Parquet rows (messages or conversations)")

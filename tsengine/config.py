@@ -154,6 +154,8 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     seed: int = 0
     debug_checks: bool = False  # invariant checks after every step (tests turn them on)
+    # the target layers whose outputs capturing requests keep (training data at engine speed: tsengine/capture.py)
+    capture_layer_ids: tuple[int, ...] | None = None
     speculative: SpeculativeConfig | None = None
 
     @staticmethod

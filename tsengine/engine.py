@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tsengine import kv_cache
+from tsengine.capture import CaptureBuffer, Captured, full_argmax
 from tsengine.config import EngineConfig
 from tsengine.context import Context
 from tsengine.errors import UserError
@@ -41,6 +42,7 @@ class StepOutput:
     finish_reason: str | None = None
     verify: bool = False
     accepted: int = 0  # drafts accepted in this step
+    captured: Captured | None = None  # a capturing request's features, when it finishes
 
 
 @dataclass
@@ -68,7 +70,9 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # ---- requests -------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, capture: bool = False) -> None:
+        """`capture`: keep the target features of every position (tsengine/capture.py); needs the engine
+        built with `capture_layer_ids`."""
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already running")
         if not prompt:
@@ -81,6 +85,13 @@ class Engine:
             raise UserError(f"prompt: token ids must be in 0..{vocab - 1}")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
         seq = Sequence(request_id, list(prompt), params, seed)
+        if capture:
+            if not self.config.capture_layer_ids:
+                raise UserError("capture=True needs the engine built with capture_layer_ids (the aux layers)")
+            m = self.runner.model
+            size = min(len(prompt) + params.max_tokens, self.max_model_len)
+            seq.capture = CaptureBuffer(size, len(m.aux_layer_ids) * m.cfg.hidden_size, m.cfg.hidden_size,
+                                        self.runner.dtype, self.runner.device)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats.requests_started += 1
@@ -147,6 +158,7 @@ class Engine:
             other = torch.tensor(plain_rows, **long)
             noise = self._tree_noise(rp, row_pos, vrow, other, starts, depths, logits.shape[-1])
         draws = sample(logits, rp, row_pos, noise)
+        self._capture(batch, bases, hidden, aux, rows, logits)
         if drafts and self.rule != "gumbel" and not rp.all_greedy:
             self._rule_draws(draws, logits, rp, row_pos, vrow, vseqs, drafted, parents)
         ok = None
@@ -195,8 +207,9 @@ class Engine:
                 if S:
                     ext.append((s, [base + j for j in path] if s.verify else range(base, base + s.num_tokens)))
             if kept or reason:
+                captured = seq.capture.result(len(seq.tokens)) if reason and seq.capture is not None else None
                 outputs.append(StepOutput(seq.request_id, kept, reason is not None, reason, s.verify,
-                                          a if s.verify else 0))
+                                          a if s.verify else 0, captured))
         if moves:
             self._move_paths(moves)
         t2 = time.perf_counter()
@@ -206,6 +219,29 @@ class Engine:
             self.scheduler.check()
         self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
         return outputs
+
+    def _capture(self, batch, bases: list[int], hidden, aux, rows: list[int], logits) -> None:
+        """Keep the rows of capturing runs at their positions. The argmax of a sampled row comes from the
+        logits the step formed anyway; only prefill interiors need their own (which rows those are is
+        known on the host: no sync)."""
+        runs = [(s, base) for s, base in zip(batch, bases) if s.seq.capture is not None]
+        if not runs:
+            return
+        dev = hidden.device
+        sampled = dict(zip(rows, range(len(rows))))
+        flat = [j for s, base in runs for j in range(base, base + s.num_tokens)]
+        interior = [j for j in flat if j not in sampled]
+        arg = torch.empty(hidden.shape[0], dtype=torch.long, device=dev)
+        if interior:
+            at = torch.tensor(interior, dtype=torch.long, device=dev)
+            arg[at] = full_argmax(self.runner.model, hidden[at])
+        done = [j for j in flat if j in sampled]
+        if done:
+            arg[torch.tensor(done, dtype=torch.long, device=dev)] = \
+                logits[torch.tensor([sampled[j] for j in done], dtype=torch.long, device=dev)].argmax(-1)
+        for s, base in runs:
+            end = base + s.num_tokens
+            s.seq.capture.write(s.start, aux[base:end], hidden[base:end], arg[base:end])
 
     def _tree_noise(self, rp: RowParams, row_pos, vrow, other, starts, depths, vocab: int) -> torch.Tensor:
         """Gumbel noise of every sampled row (`other`: the rows outside tree windows), hashed once per (seed,

@@ -78,7 +78,13 @@ class Runner:
                             f"max_position_embeddings {limit}")
         spec = config.speculative
         self.head = None
-        aux_ids = ()
+        aux_ids = tuple(config.capture_layer_ids or ())
+        bad = [i for i in aux_ids if not 0 <= i < hf.num_hidden_layers]
+        if bad:
+            raise UserError(f"capture_layer_ids {list(aux_ids)}: {bad} outside 0..{hf.num_hidden_layers - 1}")
+        if aux_ids and spec is not None:
+            raise UserError("capture_layer_ids with speculative decoding: capture keeps plain prefill and decode "
+                            "rows; run the capturing engine without speculation")
         if spec is not None and spec.algorithm == "EAGLE3":
             from tsengine.eagle3.format import load_head
 

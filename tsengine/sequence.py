@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tsengine.capture import CaptureBuffer  # noqa: F401 (annotation)
+
 from tsengine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -39,6 +41,7 @@ class Sequence:
     drafts: torch.Tensor | None = None
     tree: tuple | None = None  # (parents, depths, ancestor bits), each [N] on the device; None for a chain
     draft_q: torch.Tensor | None = None  # [S, draft vocab]: the drafts' distributions (rejection sampling only)
+    capture: "CaptureBuffer | None" = None  # target features kept by position (tsengine/capture.py)
     finish_reason: str | None = None
     num_preempted: int = 0
     verify_steps: int = 0

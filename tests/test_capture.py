@@ -1,0 +1,189 @@
+"""Features captured while the engine regenerates (tsengine/capture.py, train/regen_engine.py, train/capture.py).
+
+The invariants: captured rows equal a teacher-forced forward over the finished sequence; the stored ids
+are the ids the engine ran; capture changes no answer (greedy = plain engine greedy, sampled = the same
+draws whatever the batch); a resumed capture equals an uninterrupted one; training from captured features
+equals training from dumped features on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train.data import captured_example
+from train.features import FeatureStore, ShardWriter, TargetFeatures
+from train.regen_engine import EngineRegenerator
+from train.regenerate import answer_rows
+
+LAYERS = (1, 3, 5)
+WORDS = "the water one number how long two people call first who may down side been now find".split()
+
+
+def prompt_rows(n: int, seed: int = 0) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(
+        rng.randint(3, 40)))}]} for i in range(n)]
+    # one multi-turn row: the earlier reply is regenerated too, the last one is captured
+    rows.append({"id": "multi", "messages": [{"role": "user", "content": "the water"}, {"role": "assistant", "content": "x"},
+                                            {"role": "user", "content": "how long two people"}]})
+    return rows
+
+
+def capture(target: Path, tok, rows, out: Path, max_num_seqs: int = 4, chunk: int | None = None, seed: int = 0):
+    writer = ShardWriter(out, "k", "shard", "float32", 256)
+    regen = EngineRegenerator(str(target), tok, max_num_seqs, 24, 1.0, seed, 256, LAYERS)
+    if chunk is not None:  # small prefill budget: prompts are forwarded in several chunks
+        regen.engine.scheduler.budget = chunk
+    skipped = regen.run(rows, writer=writer, progress=False)
+    return writer.existing(), skipped
+
+
+def examples(out: Path, shards) -> dict[str, dict]:
+    """id -> {ids, mask, messages, aux, final, argmax} read back from the shards."""
+    found = {}
+    for m in shards:
+        t = load_file(str(out / m["file"]))
+        for i, rid in enumerate(m["examples"]):
+            o, n = m["offsets"][i], m["lengths"][i]
+            found[rid] = {"ids": m["input_ids"][i], "mask": m["loss_mask"][i], "messages": m["messages"][i],
+                          "aux": t["aux"][o:o + n], "final": t["final"][o:o + n], "argmax": t["argmax"][o:o + n].long()}
+    return found
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_captured_features_equal_a_teacher_forced_forward(kind, tiny_dirs, tiny_models, tmp_path):
+    model, tok = tiny_models[kind]
+    rows = answer_rows(prompt_rows(10), 0.8, samples=2, include_greedy=True)
+    shards, skipped = capture(tiny_dirs[kind], tok, rows, tmp_path, chunk=16)
+    got = examples(tmp_path, shards)
+    assert len(got) + sum(skipped.reasons.values()) == len(rows)
+    assert len(got) >= len(rows) // 2, skipped.summary(len(got))
+    multi = [k for k in got if k.startswith("multi")]
+    assert multi, skipped.summary(len(got))
+    assert all(got[k]["messages"][1]["content"] != "x" for k in multi)
+    feats = TargetFeatures(model, LAYERS)
+    for rid, ex in got.items():
+        ids = torch.tensor([ex["ids"]])
+        f = feats(ids, torch.ones_like(ids))
+        n = len(ex["ids"]) - 1  # the last token (stop or length) is sampled, never forwarded
+        assert ex["aux"].shape[0] == n
+        torch.testing.assert_close(ex["aux"], f.aux[0, :n], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(ex["final"], f.final[0, :n], atol=1e-3, rtol=1e-3)
+        logits = f.final[0, :n] @ model.get_output_embeddings().weight.t()
+        top2 = logits.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 1e-3  # a near-tie may flip between two fp32 kernels
+        assert (ex["argmax"] == f.argmax[0, :n])[decisive].all()
+        # the mask comes from the template: the answer (and its end-of-turn) is trained on, the prompt not
+        assert len(ex["mask"]) == len(ex["ids"]) and ex["mask"][-1] == 1
+        if not rid.startswith("multi"):
+            prompt = tok.apply_chat_template(ex["messages"][:-1], tokenize=False, add_generation_prompt=True)
+            k = len(tok(prompt, add_special_tokens=False)["input_ids"])
+            assert ex["ids"][:k] == tok(prompt, add_special_tokens=False)["input_ids"]
+            assert ex["mask"] == [0] * k + [1] * (len(ex["ids"]) - k)
+
+
+def test_capture_changes_no_answer(tiny_dirs, tiny_models, tmp_path):
+    """Greedy answers equal the plain engine's greedy; sampled answers are the same draws whatever the
+    batch size and chunking (keyed by regen.seed and the row id)."""
+    from tsengine.llm import LLM
+    from tsengine.sampling import SamplingParams
+
+    model, tok = tiny_models["llama"]
+    rows = answer_rows(prompt_rows(6)[:-1], 0.9, samples=2, include_greedy=True)
+    a = examples(tmp_path / "a", capture(tiny_dirs["llama"], tok, rows, tmp_path / "a", max_num_seqs=8)[0])
+    b = examples(tmp_path / "b", capture(tiny_dirs["llama"], tok, rows, tmp_path / "b", max_num_seqs=2, chunk=8)[0])
+    assert a.keys() == b.keys() and len(a) > 0
+    for rid in a:
+        assert a[rid]["ids"] == b[rid]["ids"], rid
+    llm = LLM(str(tiny_dirs["llama"]))
+    greedy = [r for r in rows if r["temperature"] == 0 and r["id"] in a]
+    assert greedy
+    for r in greedy:
+        prompt = tok.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=24))[0].outputs[0].token_ids
+        assert a[r["id"]]["ids"] == ids + out
+    other = examples(tmp_path / "c", capture(tiny_dirs["llama"], tok, rows, tmp_path / "c", seed=1)[0])
+    assert any(other[k]["ids"] != a[k]["ids"] for k in a if "~s" in k and k in other), "regen.seed is not used"
+
+
+def test_resumed_capture_equals_an_uninterrupted_one(tiny_dirs, tiny_models, tmp_path):
+    _, tok = tiny_models["llama"]
+    rows = answer_rows(prompt_rows(8)[:-1], 0.8, samples=1, include_greedy=True)
+    whole = examples(tmp_path / "whole", capture(tiny_dirs["llama"], tok, rows, tmp_path / "whole")[0])
+    capture(tiny_dirs["llama"], tok, rows[:5], tmp_path / "parts")  # the run killed after 5 rows
+    (tmp_path / "parts" / "shard-99999.json").write_text("{torn")  # and a torn sidecar, ignored and removed
+    shards, _ = capture(tiny_dirs["llama"], tok, rows, tmp_path / "parts")
+    parts = examples(tmp_path / "parts", shards)
+    assert not (tmp_path / "parts" / "shard-99999.json").exists()
+    assert parts.keys() == whole.keys()
+    assert sum(len(m["examples"]) for m in shards) == len(parts), "a resumed run redid finished rows"
+    for rid in whole:
+        assert parts[rid]["ids"] == whole[rid]["ids"] and parts[rid]["mask"] == whole[rid]["mask"]
+        torch.testing.assert_close(parts[rid]["aux"], whole[rid]["aux"], atol=1e-3, rtol=1e-3)
+
+
+def test_captured_example_refuses_a_template_that_rewrites_the_reply(tiny_models):
+    """A template that trims the reply cannot be aligned with ids that decode to leading spaces."""
+    import copy
+
+    _, tok = tiny_models["llama"]
+    trimming = copy.deepcopy(tok)
+    trimming.chat_template = tok.chat_template.replace("message['content']", "message['content'] | trim")
+    msgs = [{"role": "user", "content": "the water"}, {"role": "assistant", "content": "  one number"}]
+    prompt = tok(tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    answer = tok("  one number<|im_end|>", add_special_tokens=False)["input_ids"]
+    ex = captured_example(tok, msgs, prompt, answer)
+    assert ex.input_ids == prompt + answer and sum(ex.loss_mask) == len(answer)
+    with pytest.raises(ValueError, match="differs from the template"):
+        captured_example(trimming, msgs, prompt, answer)
+    with pytest.raises(ValueError, match="over max length"):
+        captured_example(tok, msgs, prompt, answer, max_length=len(prompt))
+
+
+def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_models, tmp_path):
+    """The same prepared rows, features captured vs dumped by a second pass: the TTT loss and its
+    gradient agree (the captured store has no row for the last token, which no loss term reads)."""
+    from train import dump_features
+    from train.capture import _finalize
+    from train.prepare_data import load_prepared
+    from train.trainer import TTTModel, collate
+    from tests.conftest import random_head
+
+    model, tok = tiny_models["llama"]
+    rows = answer_rows(prompt_rows(6)[:-1], 0.0)
+    cap = tmp_path / "capture"
+    shards, _ = capture(tiny_dirs["llama"], tok, rows, cap)
+    prepared, store_dir = _finalize(cap, shards, [r["id"] for r in rows], tmp_path, "train", "k")
+    data = load_prepared(prepared)
+    dumped = tmp_path / "dumped"
+    dump_features.dump(model, data, LAYERS, dumped, "d", progress=False)
+    dump_features.finalize(dumped, "d", len(data), {})
+    captured, full = FeatureStore(store_dir), FeatureStore(dumped)
+    head = random_head(model, draft_vocab_size=200).train()
+    rows_w = model.get_output_embeddings().weight[head.d2t + torch.arange(head.config.draft_vocab_size)]
+    ttt = TTTModel(head, model.get_input_embeddings().weight, rows_w, steps=3, decay=0.8, chunk=64)
+    batch = list(range(len(data)))
+    ids, att, mask = collate(data, batch, "cpu")
+    losses, grads = [], []
+    for store in (captured, full):
+        f = store.batch(batch, ids.shape[1], torch.float32)
+        head.zero_grad()
+        loss, stats = ttt(ids, mask, f.aux, f.final, f.argmax)
+        loss.backward()
+        losses.append((loss.detach(), stats))
+        grads.append(head.fc.weight.grad.clone())
+    assert losses[0][1][:, 1].sum() > 0, "no position was scored"
+    torch.testing.assert_close(losses[0][0], losses[1][0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(losses[0][1], losses[1][1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-3)
+    index = json.loads((store_dir / "index.json").read_text())
+    assert index["tokens"] == sum(len(x) - 1 for x in data["input_ids"])
