@@ -187,3 +187,70 @@ def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_mode
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-3)
     index = json.loads((store_dir / "index.json").read_text())
     assert index["tokens"] == sum(len(x) - 1 for x in data["input_ids"])
+
+
+def test_engine_regeneration_resumes_and_matches_hf(tiny_models, tiny_dirs, tmp_path):
+    """Without capture the engine backend writes the same JSONL as the HF one: resumable by id, a torn
+    line dropped, bad rows counted, and the same greedy answers."""
+    from train.regenerate import Regenerator, read_done
+
+    model, tok = tiny_models["llama"]
+    rows = prompt_rows(7)[:-1]
+    rows.append({"id": "bad", "messages": [{"role": "user", "content": ""}]})
+    out = tmp_path / "regen.jsonl"
+    regen = EngineRegenerator(str(tiny_dirs["llama"]), tok, 3, 10)
+    assert not regen.run(rows[:4], out, progress=False).reasons and len(read_done(out)) == 4
+    with out.open("a") as f:
+        f.write('{"id": "torn", "mess')  # killed mid-write
+    skipped = regen.run(rows, out, progress=False)
+    lines = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(lines) == sorted(r["id"] for r in rows[:7]) and skipped.reasons == {"empty content": 1}
+    hf = tmp_path / "hf.jsonl"
+    Regenerator(model, tok, batch_size=1, max_new_tokens=10).run(rows[:7], hf, progress=False)
+    same = sum(lines[r["id"]]["messages"] == r["messages"] for r in map(json.loads, hf.read_text().splitlines()))
+    assert same >= 6, f"only {same}/7 greedy answers equal HF's"  # a near-tie may flip one (fp32 kernels)
+
+
+def test_answer_rows_and_their_recipe_rules(tmp_path):
+    from train.recipe import validate
+    from tsengine.errors import UserError
+
+    rows = [{"id": "a", "messages": []}, {"id": "b", "messages": []}]
+    assert [(r["id"], r["temperature"]) for r in answer_rows(rows, 0.0)] == [("a", 0.0), ("b", 0.0)]
+    got = [(r["id"], r["temperature"]) for r in answer_rows(rows, 0.7, samples=2, include_greedy=True)]
+    assert got == [("a", 0.0), ("a~s0", 0.7), ("a~s1", 0.7), ("b", 0.0), ("b~s0", 0.7), ("b~s1", 0.7)]
+    with pytest.raises(UserError, match="samples_per_prompt=3 needs regen.temperature > 0"):
+        validate({"target": "x", "regen": {"samples_per_prompt": 3}})
+    with pytest.raises(UserError, match="include_greedy needs regen.temperature > 0"):
+        validate({"target": "x", "regen": {"include_greedy": True}})
+    with pytest.raises(UserError, match="regen.backend"):
+        validate({"target": "x", "regen": {"backend": "vllm"}})
+
+
+def test_pipeline_captures_instead_of_dumping(tiny_dirs, tmp_path):
+    """Offline features with the engine backend: the regenerate stage writes the feature store, no dump
+    pass runs, and training, export and eval run from it."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    for name, n in (("rows", 10), ("val", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(n, seed=len(name))[:-1]))
+    recipe = {"target": str(tiny_dirs["llama"]), "output_dir": str(tmp_path / "run"),
+              "data": {"source": str(tmp_path / "rows.jsonl"), "val_source": str(tmp_path / "val.jsonl"), "max_length": 128},
+              "regen": {"batch_size": 8, "max_new_tokens": 16, "temperature": 0.8, "samples_per_prompt": 2},
+              "vocab": {"draft_vocab_size": 160}, "features": {"mode": "offline", "dtype": "bfloat16"},
+              "train": {"ttt_steps": 2, "epochs": 1, "batch_tokens": 256, "max_steps": 3},
+              "log": {"report_to": "none"}, "eval": {"num_prompts": 1, "max_new_tokens": 8, "tree": None}}
+    (tmp_path / "r.yaml").write_text(json.dumps(recipe))
+    r = subprocess.run([sys.executable, "train/train_eagle3.py", "--recipe", str(tmp_path / "r.yaml")], cwd=repo,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert not (run / "features").exists(), "a feature dump ran although the features were captured"
+    assert summary["data"]["train"]["captured"] and summary["regen"]["train"]["tokens_out"] > 0
+    assert summary["feature_bytes_per_token"] < 2 * 4 * 64 + 8  # bf16 storage: 2 bytes per value
+    ids = [json.loads(x)["id"] for x in (run / "data/used/train.jsonl").read_text().splitlines()]
+    assert len(ids) == summary["data"]["train"]["rows"] and all("~s" in i for i in ids)
+    assert (run / "export" / "model.safetensors").exists() and summary["eval"]

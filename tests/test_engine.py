@@ -222,3 +222,20 @@ def test_bad_requests(tiny_dirs):
         SamplingParams(temperature=-1)
     with pytest.raises(UserError, match="token ids"):
         llm.generate([[10**6]])
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)])
+def test_speculation_runs_up_to_max_model_len(tiny_dirs, heads, shape):
+    """A request that ends by reaching max_model_len: its last verify window (and a tree's draft lanes)
+    reaches reserve_slots past the last token, and every such position has its RoPE row (once an
+    IndexError). Output equals plain decoding, cut at the same length."""
+    s, k, n = shape
+    prompt, limit = PROMPTS[2], len(PROMPTS[2]) + 9
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    plain = make_llm(tiny_dirs, max_model_len=limit).generate([prompt], params)[0].outputs[0]
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": s, "eagle_topk": k,
+            "num_draft_tokens": n}
+    llm = LLM(str(tiny_dirs["llama"]), speculative_config=spec, debug_checks=True, block_size=4, max_model_len=limit)
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.finish_reason == plain.finish_reason == "length"
+    assert out.token_ids == plain.token_ids and len(prompt) + len(out.token_ids) == limit

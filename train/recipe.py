@@ -99,7 +99,7 @@ class Eval(_Strict):
     num_prompts: int = Field(20, ge=1)
     max_new_tokens: int = Field(128, ge=1, le=32768)
     chain: tuple[int, int, int] = (3, 1, 4)  # steps, topk, num_draft_tokens
-    tree: Optional[tuple[int, int, int]] = (6, 8, 32)
+    tree: Optional[tuple[int, int, int]] = (5, 8, 32)  # lane rule: (S-1)·K <= N
 
 
 class Recipe(_Strict):
@@ -123,6 +123,16 @@ class Recipe(_Strict):
                              "(greedy decoding has one answer per prompt)")
         if g.include_greedy and g.temperature == 0:
             raise ValueError("regen.include_greedy needs regen.temperature > 0 (the answers are greedy already)")
+        from tsengine.config import SpeculativeConfig
+
+        for name, shape in (("eval.chain", self.eval.chain), ("eval.tree", self.eval.tree)):
+            if shape is None:
+                continue
+            s, k, n = shape
+            try:  # the engine's own shape rules, one definition
+                SpeculativeConfig(num_steps=s, eagle_topk=k, num_draft_tokens=n, draft_model_path="-").checked()
+            except UserError as e:
+                raise ValueError(f"{name} {list(shape)}: {e}") from None
         return self
 
 

@@ -62,8 +62,14 @@ class EngineRegenerator:
 
         self.tok, self.max_new_tokens, self.top_p, self.seed, self.max_length = tok, max_new_tokens, top_p, seed, max_length
         self.capture = bool(capture_layer_ids)
-        self.engine = Engine(EngineConfig.make(model=target, max_num_seqs=max_num_seqs, max_model_len=max_length,
-                                               capture_layer_ids=tuple(capture_layer_ids) if self.capture else None))
+        from tsengine.errors import UserError
+
+        try:
+            self.engine = Engine(EngineConfig.make(model=target, max_num_seqs=max_num_seqs, max_model_len=max_length,
+                                                   capture_layer_ids=tuple(capture_layer_ids) if self.capture else None))
+        except UserError as e:  # never a silent fall back to HF: the user picks it
+            raise UserError(f"regen.backend engine: {e}; `regen.backend: hf` regenerates with transformers' "
+                            "generate instead") from None
         self.eos = self.engine.eos_ids
         self.tokens_out = 0
 

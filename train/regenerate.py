@@ -3,10 +3,12 @@
 EAGLE heads trained on someone else's answers (ShareGPT's GPT-4 text) accept less than heads trained on
 the target's own outputs. This stage replays every conversation through the target: user (and system)
 turns are kept, each assistant turn is replaced by what the target generates given the conversation so
-far. Batched HF `generate` with left padding (the engine takes over once it lands); rows are appended to
-a JSONL file as each batch finishes, so a restart skips every id already written.
+far. Two backends: tsengine's engine (train/regen_engine.py: continuous batching, and in offline mode the
+features captured in the same forward) and, for architectures the engine does not run, batched HF
+`generate` with left padding (`Regenerator` here). Rows are appended to a JSONL file as they finish, so a
+restart skips every id already written.
 
-    python -m train.regenerate --target smollm2-135m --data prompts.jsonl --out regen.jsonl
+    python -m train.regenerate --target smollm2-135m --data prompts.jsonl --out regen.jsonl [--backend hf]
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-samples", type=int)
+    p.add_argument("--backend", choices=("engine", "hf"), default="engine",
+                   help="engine: tsengine (continuous batching); hf: transformers generate")
     args = p.parse_args(argv)
 
     def body() -> None:
@@ -190,12 +194,21 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--batch-size and --max-new-tokens must be >= 1")
         if args.temperature < 0 or not 0 < args.top_p <= 1:
             raise UserError("--temperature must be >= 0 and --top-p in (0, 1]")
-        from tsengine.targets import load_target
+        from tsengine.targets import load_target, resolve
 
-        model, tok = load_target(args.target)
-        rows = list(load_rows(args.data))[: args.max_samples]
-        skipped = Regenerator(model, tok, args.batch_size, args.max_new_tokens, args.temperature, args.top_p,
-                              args.seed).run(rows, args.out)
+        rows = [{**row, "temperature": args.temperature} for row in list(load_rows(args.data))[: args.max_samples]]
+        if args.backend == "engine":
+            from transformers import AutoTokenizer
+
+            from train.regen_engine import EngineRegenerator
+
+            path = str(resolve(args.target))
+            regen = EngineRegenerator(path, AutoTokenizer.from_pretrained(path), args.batch_size, args.max_new_tokens,
+                                      args.top_p, args.seed)
+        else:
+            model, tok = load_target(args.target)
+            regen = Regenerator(model, tok, args.batch_size, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+        skipped = regen.run(rows, args.out)
         print(f"regenerate: {skipped.summary(len(read_done(Path(args.out))))} -> {args.out}")
 
     return run_main("regenerate", body)

@@ -36,10 +36,13 @@ def _source_splits(r, root: Path) -> tuple[list, list]:
         return [{**row, "id": row_id(row, i)} for i, row in enumerate(load_rows(source, split))]
 
     if r.data.source == "builtin":
-        from train.prompts import write_jsonl
+        from train.prompts import synthetic, write_jsonl
 
         paths = write_jsonl(root / "data" / "prompts")
-        return rows_of(str(paths[0]), "train"), rows_of(str(paths[1]), "train")
+        return synthetic.add_synthetic(rows_of(str(paths[0]), "train"), r, root), rows_of(str(paths[1]), "train")
+    from train.prompts.synthetic import require_builtin
+
+    require_builtin(r)  # target-written prompts are seeded by the built-in categories
     rows = rows_of(r.data.source, r.data.split)
     if r.data.val_source:
         return rows, rows_of(r.data.val_source, r.data.val_split)
@@ -52,15 +55,35 @@ def _source_splits(r, root: Path) -> tuple[list, list]:
     return [x for x, p in zip(rows, pick) if not p], [x for x, p in zip(rows, pick) if p]
 
 
-def _used(r, model, tok, rows: list, split: str, root: Path, limit: int | None) -> Path:
-    """The rows this run trains on (a seeded subset when limited), with regenerated answers if asked,
-    written to data/used/<split>.jsonl: the input of the prepare stage."""
+def _answer_rows(r, rows: list, split: str, limit: int | None) -> list:
+    """The prompts this run uses (a seeded subset when limited) as answer rows: several per prompt with
+    regen.samples_per_prompt / include_greedy on the train split; validation keeps one answer per prompt
+    (greedy unless only samples are asked for) so that val numbers stay comparable across recipes."""
+    from train.regenerate import answer_rows
+
+    g = r.regen
     rows = _subset(rows, limit, r.seed)
+    if split == "train":
+        return answer_rows(rows, g.temperature, g.samples_per_prompt, g.include_greedy)
+    return answer_rows(rows, 0.0 if g.include_greedy else g.temperature)
+
+
+def _captures(r) -> bool:
+    """Offline features from the engine's own forward: no second target pass."""
+    return r.data.regenerate and r.regen.backend == "engine" and r.features.mode == "offline"
+
+
+def _used(r, model, tok, rows: list, split: str, root: Path, limit: int | None) -> Path:
+    """The rows this run trains on, with regenerated answers if asked, written to data/used/<split>.jsonl:
+    the input of the prepare stage."""
     if r.data.regenerate:
+        rows = _answer_rows(r, rows, split, limit)
         out = root / "data" / "regen" / f"{split}.jsonl"
         _regenerate(r, model, tok, rows, out)
         want = {x["id"] for x in rows}
         rows = [x for x in map(json.loads, out.read_text().splitlines()) if x["id"] in want]
+    else:
+        rows = _subset(rows, limit, r.seed)
     used = root / "data" / "used" / f"{split}.jsonl"
     used.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(x, ensure_ascii=False, default=str) + "\n" for x in rows)
@@ -80,14 +103,25 @@ def _regenerate(r, model, tok, rows: list, out: Path) -> None:
         out.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     side.write_text(json.dumps(settings))
-    g = r.regen
-    t0 = time.time()
-    skipped = Regenerator(model, tok, g.batch_size, g.max_new_tokens, g.temperature, g.top_p, g.seed).run(rows, out)
+    from train.capture import _log_wall
+    from train.data import Skipped
+
+    g, t0, skipped, tokens = r.regen, time.time(), Skipped(), 0
+    if g.backend == "engine":
+        from train.regen_engine import EngineRegenerator
+        from tsengine.targets import resolve
+
+        regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed)
+        skipped = regen.run(rows, out)
+        tokens = regen.tokens_out
+    else:  # HF generate samples one temperature per call: one pass per temperature
+        for t in sorted({x["temperature"] for x in rows}):
+            part = [x for x in rows if x["temperature"] == t]
+            skipped.reasons.update(Regenerator(model, tok, g.batch_size, g.max_new_tokens, t, g.top_p, g.seed)
+                                   .run(part, out).reasons)
     if skipped.reasons:
         print(f"regenerate: {skipped.summary(len(rows) - sum(skipped.reasons.values()))}")
-    log = out.with_suffix(".wall.json")
-    prev = json.loads(log.read_text())["wall_s"] if log.exists() else 0.0
-    log.write_text(json.dumps({"wall_s": round(prev + time.time() - t0, 1)}))
+    _log_wall(out.with_suffix(".wall.json"), time.time() - t0, tokens)
 
 
 def _subset(rows: list, limit: int | None, seed: int) -> list:
@@ -100,7 +134,8 @@ def _subset(rows: list, limit: int | None, seed: int) -> list:
     return [rows[i] for i in keep]
 
 
-def run(r, dry_run: bool = False) -> dict:
+def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
+    """`user_sized`: the eval's size was set on the command line (see `_eval`)."""
     import torch
     from accelerate import PartialState
 
@@ -128,6 +163,14 @@ def run(r, dry_run: bool = False) -> dict:
             splits = dict(zip(("train", "val"), _source_splits(r, root)))
             limits = {"train": r.data.max_samples, "val": r.data.max_val_samples}
             for split, rows in splits.items():
+                if _captures(r):
+                    from train.capture import capture_split
+
+                    layers = Eagle3Config.for_target(model.config, draft_vocab_size=r.vocab.draft_vocab_size,
+                                                     aux_layer_ids=r.head.aux_layer_ids).aux_layer_ids
+                    rows = _answer_rows(r, rows, split, limits[split])
+                    prepared[split] = capture_split(r, tok, rows, split, root, layers)[0]
+                    continue
                 used = _used(r, model, tok, rows, split, root, limits[split])
                 prepared[split] = prepare(tok, used, root / "data" / "prepared" / split, r.data.max_length)
             vocab_dir = build_vocab(tok, prepared["train"], model.config.vocab_size, r.vocab.draft_vocab_size,
@@ -155,8 +198,11 @@ def run(r, dry_run: bool = False) -> dict:
 
         for s in ("train", "val"):
             out = root / "features" / s
-            dump_features.run(model, data[s], prepared[s], cfg.aux_layer_ids, out, r.features.dtype,
-                              r.train.batch_tokens, r.features.shard_tokens, state, target_name=r.target)
+            if _captures(r):  # written while regenerating (train/capture.py)
+                out = root / "capture" / s
+            else:
+                dump_features.run(model, data[s], prepared[s], cfg.aux_layer_ids, out, r.features.dtype,
+                                  r.train.batch_tokens, r.features.shard_tokens, state, target_name=r.target)
             stores[s] = FeatureStore(out)
         report["feature_bytes_per_token"] = stores["train"].meta["bytes_per_token"]
     if r.head.fc_init == "scaled":
@@ -173,31 +219,60 @@ def run(r, dry_run: bool = False) -> dict:
         for split in ("train", "val"):
             wall = root / "data" / "regen" / f"{split}.wall.json"
             if wall.exists():
-                report.setdefault("regen_wall_s", {})[split] = json.loads(wall.read_text())["wall_s"]
-        report["eval"] = _eval(r, model, tok, root)
+                report.setdefault("regen", {})[split] = json.loads(wall.read_text())  # wall_s, tokens_out
+        report["eval"] = _eval(r, model, tok, root, user_sized)
         (root / "summary.json").write_text(json.dumps(report, indent=1))
         print(json.dumps({k: report[k] for k in ("train", "eval") if k in report}, indent=1))
     state.wait_for_everyone()
     return report
 
 
-def _eval(r, model, tok, root: Path) -> dict:
-    """τ of the exported head on validation prompts (the split's own prompts, not the regenerated answers)."""
-    from infer.eval import evaluate, prompts_from, table
-    from tsengine.eagle3.format import load_head
+def _eval(r, model, tok, root: Path, user_sized: bool = False) -> dict:
+    """τ of the exported head on validation prompts (the split's own prompts, not the regenerated answers),
+    measured by `r.eval.backend` (infer/eval.py: the engine, checked against the reference oracle on
+    `eval.oracle_prompts` prompts per shape; a decisive mismatch fails the run after eval.json is written).
 
-    head = load_head(root / "export", target=model.config, embeddings=model.get_input_embeddings().weight,
-                     dtype=next(model.parameters()).dtype)
+    A quick run (train.max_steps set) gets a quick eval: at most QUICK_EVAL prompts and new tokens, whatever
+    the recipe file says (its head is a smoke test), unless `user_sized`: eval.num_prompts or
+    eval.max_new_tokens given on the command line are the user's choice and are kept. The recipe's full
+    eval of such a head is one `python -m infer.eval` away (printed)."""
+    from infer.eval import measure, prompts_from, raise_on_mismatch, table
+    from tsengine.eagle3.format import load_head
+    from tsengine.targets import resolve
+
+    e = r.eval
+    num, new = e.num_prompts, e.max_new_tokens
     src = root / "data" / "prepared" / "val" / "stage.json"
     val_rows = json.loads(src.read_text())["source"]
-    shapes = [r.eval.chain] + ([r.eval.tree] if r.eval.tree else [])
+    quick = r.train.max_steps is not None and not user_sized
+    if quick:
+        num, new = min(num, QUICK_EVAL[0]), min(new, QUICK_EVAL[1])
+        (s, k, n), tree = e.chain, (" --tree {},{},{}".format(*e.tree) if e.tree else "")
+        print(f"eval: quick run (train.max_steps={r.train.max_steps}): {num} prompts x {new} new tokens; the "
+              f"recipe's eval: python -m infer.eval --target {r.target} --draft {root / 'export'} --prompts "
+              f"{val_rows} --steps {s} --topk {k} --num-draft-tokens {n}{tree} --num-prompts {e.num_prompts} "
+              f"--max-new-tokens {e.max_new_tokens} --backend {e.backend}")
+
+    def reference() -> tuple:
+        head = load_head(root / "export", target=model.config, embeddings=model.get_input_embeddings().weight,
+                         dtype=next(model.parameters()).dtype)
+        return (model.float() if model.device.type == "cpu" else model), tok, head
+
+    shapes = [e.chain] + ([e.tree] if e.tree else [])
     t0 = time.time()
-    res = evaluate(model.float() if model.device.type == "cpu" else model, tok, head,
-                   prompts_from(val_rows, tok, r.eval.num_prompts), shapes, r.eval.max_new_tokens)
+    res = measure(e.backend, prompts_from(val_rows, tok, num), shapes, new, target=resolve(r.target),
+                  draft=str(root / "export"), reference=reference, oracle_prompts=min(e.oracle_prompts, num))
+    wall = round(time.time() - t0, 1)
     print(table(res))
     (root / "eval.json").write_text(json.dumps(res, indent=1))
-    return {k: {"tau": v["tau"], "tokens": v["tokens"], "verify_steps": v["verify_steps"]} for k, v in res.items()} | {
-        "wall_s": round(time.time() - t0, 1)}
+    raise_on_mismatch(res)
+    out = {k: {f: v[f] for f in ("tau", "tokens", "verify_steps", "backend", "wall_s")}
+           | ({"oracle": [p["status"] for p in v["oracle"]["prompts"]]} if "oracle" in v else {})
+           for k, v in res.items()}
+    return out | {"num_prompts": num, "max_new_tokens": new, "wall_s": wall}
+
+
+QUICK_EVAL = (4, 64)  # (prompts, new tokens) when train.max_steps is set: see _eval
 
 
 def _scale_fc(head, model, data, store) -> None:
@@ -273,6 +348,8 @@ def _param_counts(cfg) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
+    use_machine_cores()
     p = argparse.ArgumentParser(prog="train_eagle3.py", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="YAML recipe (recipes/*.yaml)")
     p.add_argument("--output-dir", help="run directory (overrides output_dir); the head lands in DIR/export")
@@ -285,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         extra = {"output_dir": args.output_dir, "data.max_samples": args.max_samples, "train.max_steps": args.max_steps}
         r = recipes.load(args.recipe, args.overrides, **extra)
-        run(r, dry_run=args.dry_run)
+        sized = any(o.split("=", 1)[0].strip() in ("eval.num_prompts", "eval.max_new_tokens") for o in args.overrides)
+        run(r, dry_run=args.dry_run, user_sized=sized)
 
     return run_main("train_eagle3", body)
 

@@ -167,6 +167,24 @@ def latest_checkpoint(out_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _deepspeed_launch() -> bool:
+    import os
+
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _deepspeed_clipping(config: dict, grad_clip: float) -> None:
+    """DeepSpeed clips inside its own step (accelerate's clip_grad_norm_ only reads the norm back) and
+    accelerate fills an "auto" clip with 1.0: make the recipe's train.grad_clip the value it uses."""
+    have = config.get("gradient_clipping", "auto")
+    if have != "auto" and float(have) != grad_clip:
+        from tsengine.errors import UserError
+
+        raise UserError(f"DeepSpeed config gradient_clipping={have} differs from train.grad_clip={grad_clip}: set "
+                        "it to \"auto\" (the recipe's value is used) or make them equal")
+    config["gradient_clipping"] = grad_clip
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, head: Eagle3Head, target, train_data, val_data=None,
                  train_features: FeatureStore | None = None, val_features: FeatureStore | None = None):
@@ -177,8 +195,12 @@ class Trainer:
         mp = o.mixed_precision
         if mp == "auto":
             mp = "bf16" if torch.cuda.is_available() else "no"
+        # cpu=True on a CPU machine, else torchrun runs unsynced copies; but under cpu=True accelerate drops
+        # DeepSpeed without a word, so a DeepSpeed launch passes False (DeepSpeed's CPU accelerator: gloo).
         self.acc = Accelerator(mixed_precision=mp, gradient_accumulation_steps=o.grad_accum,
-                               cpu=not torch.cuda.is_available())  # else torchrun on CPU runs unsynced copies
+                               cpu=not torch.cuda.is_available() and not _deepspeed_launch())
+        if self.acc.state.deepspeed_plugin is not None:
+            _deepspeed_clipping(self.acc.state.deepspeed_plugin.deepspeed_config, o.grad_clip)
         dev = self.acc.device
         self.out = Path(recipe.output_dir)
         self.train_data, self.val_data = train_data, val_data

@@ -20,6 +20,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    # tokens committed by each verify step, bonus included, cut at a stop (infer.reference's accept_lengths):
+    # kept per sample, not per request, because n > 1 samples verify independently
+    spec_accept_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +85,8 @@ class LLM:
                 res.outputs[i].token_ids.extend(out.new_tokens)
                 res.spec_verify_steps += int(out.verify)
                 res.spec_accepted_tokens += out.accepted
+                if out.verify:
+                    res.outputs[i].spec_accept_lengths.append(len(out.new_tokens))
                 if out.finished:
                     res.outputs[i].finish_reason = out.finish_reason
                     bar.update(1)

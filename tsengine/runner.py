@@ -93,7 +93,10 @@ class Runner:
         from tsengine import support
 
         support.check(self.backend, spec, self.head.config.draft_vocab_size if self.head is not None else None)
-        self.model = load_model(path, hf, self.dtype, self.device, aux_ids, self.backend, self.max_model_len)
+        # RoPE rows for every position a request can touch: its verify window (and draft lanes) reach
+        # reserve_slots past its last token, which may be the last allowed one
+        self.model = load_model(path, hf, self.dtype, self.device, aux_ids, self.backend,
+                                self.max_model_len + reserve_slots(spec))
         if self.head is not None and self.head.embed_tokens is None:
             self.head.bind_embeddings(self.model.embed)
         self._allocate(spec)
