@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from recipe_runs import row, run_recipe
 
 
-def point(summary: dict) -> dict:
-    ev, data = summary["eval"], summary["data"]["train"]
-    shapes = [k for k in ev if k.count(",") == 2]
-    train = summary["train"]
-    return {"prompts": data["rows"], "trained_on_tokens": data["loss_tokens"], "tokens": data["tokens"],
-            "tau_chain": ev[shapes[0]]["tau"], "tau_tree": ev[shapes[1]]["tau"] if len(shapes) > 1 else None,
-            "acc_0": train.get("val_acc_0"), "train_wall_s": train.get("wall_s")}
+def log_fit(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b·ln(x): the trend a scaling curve of this size can support, no more."""
+    lx = [math.log(v) for v in x]
+    mx, my = sum(lx) / len(lx), sum(y) / len(y)
+    b = sum((u - mx) * (v - my) for u, v in zip(lx, y)) / sum((u - mx) ** 2 for u in lx)
+    return my - b * mx, b
 
 
 def main() -> None:
@@ -49,17 +47,20 @@ def main() -> None:
             shutil.rmtree(sub / "capture", ignore_errors=True)
             sub.mkdir(parents=True, exist_ok=True)
             subprocess.run(["cp", "-al", str(run / "capture"), str(sub / "capture")], check=True)
-            cmd = [sys.executable, str(REPO / "train/train_eagle3.py"), "--recipe", args.recipe, "--output-dir",
-                   str(sub), "--max-samples", str(n), *args.overrides]
-            print("$", " ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"})
-        points.append(point(json.loads((sub / "summary.json").read_text())))
-    points.append(point(json.loads((run / "summary.json").read_text())))
+        run_recipe(args.recipe, sub, ["--max-samples", str(n), *args.overrides])
+        points.append(row(sub))
+    points.append(row(run))
     print("| prompts | trained-on tokens | all tokens | τ chain | τ tree | val acc_0 | train wall s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for q in points:
-        print(f"| {q['prompts']} | {q['trained_on_tokens']:,} | {q['tokens']:,} | {q['tau_chain']:.2f} | "
-              f"{q['tau_tree'] or float('nan'):.2f} | {q['acc_0'] or float('nan'):.3f} | {q['train_wall_s']} |")
+        print(f"| {q['rows']} | {q['trained_on_tokens']:,} | {q['tokens']:,} | {q['tau_chain']:.2f} | "
+              f"{q['tau_tree'] or float('nan'):.2f} | {q['acc'][0] or float('nan'):.3f} | {q['train_wall_s']} |")
+    for name, goal in (("tau_chain", 3.0), ("tau_tree", 4.0)):
+        if all(q[name] for q in points):
+            a, b = log_fit([q["trained_on_tokens"] for q in points], [q[name] for q in points])
+            need = math.exp((goal - a) / b) if b > 0 else float("inf")
+            print(f"{name}: τ ≈ {a:.3f} + {b:.3f}·ln(tokens); τ {goal} at ~{need:,.0f} trained-on tokens "
+                  f"({need / points[-1]['trained_on_tokens']:.0f}x the largest point) if the trend held")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,11 +68,11 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     x = [q["trained_on_tokens"] for q in points]
-    ax.plot(x, [q["tau_chain"] for q in points], "o-", label="chain (3, 1, 4)")
+    ax.plot(x, [q["tau_chain"] for q in points], "o-", label=f"chain ({points[0]['shapes'][0]})")
     if all(q["tau_tree"] for q in points):
-        ax.plot(x, [q["tau_tree"] for q in points], "s-", label="tree (5, 8, 32)")
+        ax.plot(x, [q["tau_tree"] for q in points], "s-", label=f"tree ({points[0]['shapes'][1]})")
     ax.set_xscale("log")
-    ax.set_xlabel("trained-on tokens (unique, train split)")
+    ax.set_xlabel("trained-on tokens (assistant tokens, train split)")
     ax.set_ylabel("τ (tokens per target forward, T = 0)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()

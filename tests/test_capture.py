@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -36,11 +37,12 @@ def prompt_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def capture(target: Path, tok, rows, out: Path, max_num_seqs: int = 4, chunk: int | None = None, seed: int = 0):
+def capture(target: Path, tok, rows, out: Path, max_num_seqs: int = 4, chunk: int | None = None, seed: int = 0,
+            max_new_tokens: int = 24, **engine_args):
+    """`chunk`: a small prefill budget, so prompts are forwarded in several chunks."""
     writer = ShardWriter(out, "k", "shard", "float32", 256)
-    regen = EngineRegenerator(str(target), tok, max_num_seqs, 24, 1.0, seed, 256, LAYERS)
-    if chunk is not None:  # small prefill budget: prompts are forwarded in several chunks
-        regen.engine.scheduler.budget = chunk
+    regen = EngineRegenerator(str(target), tok, max_num_seqs, max_new_tokens, 1.0, seed, 256, LAYERS,
+                              **({"max_num_batched_tokens": chunk} if chunk else {}), **engine_args)
     skipped = regen.run(rows, writer=writer, progress=False)
     return writer.existing(), skipped
 
@@ -87,6 +89,42 @@ def test_captured_features_equal_a_teacher_forced_forward(kind, tiny_dirs, tiny_
             k = len(tok(prompt, add_special_tokens=False)["input_ids"])
             assert ex["ids"][:k] == tok(prompt, add_special_tokens=False)["input_ids"]
             assert ex["mask"] == [0] * k + [1] * (len(ex["ids"]) - k)
+
+
+def test_capture_survives_preemption_and_one_token_answers(tiny_dirs, tiny_models, tmp_path):
+    """Too few KV blocks for the batch: requests are preempted and recomputed, overwriting the positions
+    they had captured; the features equal an unpressured run's. And a request that ends with its first
+    sampled token (max_tokens 1) has exactly its prompt's rows."""
+    from tsengine.scheduler import Scheduler
+
+    _, tok = tiny_models["llama"]
+    rows = answer_rows(prompt_rows(6)[:-1], 0.8, samples=1, include_greedy=True)
+    calm = examples(tmp_path / "calm", capture(tiny_dirs["llama"], tok, rows, tmp_path / "calm", block_size=4)[0])
+    preempted, original = [], Scheduler._preempt
+
+    def counting(self, seq):
+        preempted.append(seq.request_id)
+        original(self, seq)
+
+    Scheduler._preempt = counting
+    try:
+        got = examples(tmp_path / "tight", capture(tiny_dirs["llama"], tok, rows, tmp_path / "tight", block_size=4,
+                                                  num_kv_blocks=64, debug_checks=True)[0])
+    finally:
+        Scheduler._preempt = original
+    assert preempted, "the KV budget did not force a preemption"
+    assert got.keys() == calm.keys()
+    for rid in calm:
+        assert got[rid]["ids"] == calm[rid]["ids"]
+        torch.testing.assert_close(got[rid]["aux"], calm[rid]["aux"], atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(got[rid]["final"], calm[rid]["final"], atol=1e-3, rtol=1e-3)
+    one = examples(tmp_path / "one", capture(tiny_dirs["llama"], tok, rows, tmp_path / "one", max_new_tokens=1)[0])
+    both = one.keys() & calm.keys()
+    assert both
+    for rid in both:
+        ex = one[rid]
+        assert ex["aux"].shape[0] == len(ex["ids"]) - 1 and ex["mask"].count(1) == 1
+        torch.testing.assert_close(ex["aux"], calm[rid]["aux"][:len(ex["ids"]) - 1], atol=1e-3, rtol=1e-3)
 
 
 def test_capture_changes_no_answer(tiny_dirs, tiny_models, tmp_path):
@@ -227,26 +265,36 @@ def test_answer_rows_and_their_recipe_rules(tmp_path):
         validate({"target": "x", "regen": {"backend": "vllm"}})
 
 
-def test_pipeline_captures_instead_of_dumping(tiny_dirs, tmp_path):
-    """Offline features with the engine backend: the regenerate stage writes the feature store, no dump
-    pass runs, and training, export and eval run from it."""
+def _pipeline(tiny_dirs, tmp_path: Path, name: str, nproc: int = 1, **regen) -> Path:
+    """The pipeline in offline mode with the engine backend, on 9 + 2 tiny prompts; `nproc` > 1 launches
+    that many gloo ranks through torchrun."""
+    import os
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parent.parent
-    for name, n in (("rows", 10), ("val", 3)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(n, seed=len(name))[:-1]))
-    recipe = {"target": str(tiny_dirs["llama"]), "output_dir": str(tmp_path / "run"),
+    for split, n in (("rows", 10), ("val", 3)):
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(n, seed=len(split))[:-1]))
+    recipe = {"target": str(tiny_dirs["llama"]), "output_dir": str(tmp_path / name),
               "data": {"source": str(tmp_path / "rows.jsonl"), "val_source": str(tmp_path / "val.jsonl"), "max_length": 128},
-              "regen": {"batch_size": 8, "max_new_tokens": 16, "temperature": 0.8, "samples_per_prompt": 2},
+              "regen": {"batch_size": 8, "max_new_tokens": 16, **regen},
               "vocab": {"draft_vocab_size": 160}, "features": {"mode": "offline", "dtype": "bfloat16"},
               "train": {"ttt_steps": 2, "epochs": 1, "batch_tokens": 256, "max_steps": 3},
               "log": {"report_to": "none"}, "eval": {"num_prompts": 1, "max_new_tokens": 8, "tree": None}}
-    (tmp_path / "r.yaml").write_text(json.dumps(recipe))
-    r = subprocess.run([sys.executable, "train/train_eagle3.py", "--recipe", str(tmp_path / "r.yaml")], cwd=repo,
-                       capture_output=True, text=True, timeout=900)
+    (tmp_path / f"{name}.yaml").write_text(json.dumps(recipe))
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                      "--master_port", str(29500 + os.getpid() % 1000)]
+    r = subprocess.run([sys.executable, *launcher, "train/train_eagle3.py", "--recipe", str(tmp_path / f"{name}.yaml")],
+                       cwd=repo, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "run"
+    return tmp_path / name
+
+
+def test_pipeline_captures_instead_of_dumping(tiny_dirs, tmp_path):
+    """Offline features with the engine backend: the regenerate stage writes the feature store, no dump
+    pass runs, and training, export and eval run from it."""
+    run = _pipeline(tiny_dirs, tmp_path, "run", temperature=0.8, samples_per_prompt=2)
     summary = json.loads((run / "summary.json").read_text())
     assert not (run / "features").exists(), "a feature dump ran although the features were captured"
     assert summary["data"]["train"]["captured"] and summary["regen"]["train"]["tokens_out"] > 0
@@ -254,3 +302,22 @@ def test_pipeline_captures_instead_of_dumping(tiny_dirs, tmp_path):
     ids = [json.loads(x)["id"] for x in (run / "data/used/train.jsonl").read_text().splitlines()]
     assert len(ids) == summary["data"]["train"]["rows"] and all("~s" in i for i in ids)
     assert (run / "export" / "model.safetensors").exists() and summary["eval"]
+
+
+def test_two_ranks_split_the_capture_and_index_the_same_data(tiny_dirs, tmp_path):
+    """Under a 2-process launch each rank regenerates and captures its own half of the rows into its own
+    shards; rank 0 indexes both. The prepared data (ids, masks, order) and every row's features equal a
+    one-process run's (sampled answers included: draws are keyed by row id, not by batch)."""
+    one = _pipeline(tiny_dirs, tmp_path, "one", temperature=0.8, samples_per_prompt=1, include_greedy=True)
+    two = _pipeline(tiny_dirs, tmp_path, "two", nproc=2, temperature=0.8, samples_per_prompt=1, include_greedy=True)
+    for split in ("train", "val"):
+        shards = sorted(p.name for p in (two / "capture" / split).glob("shard-*.json"))
+        assert any(n.startswith("shard-r0-") for n in shards) and any(n.startswith("shard-r1-") for n in shards)
+        a, b = FeatureStore(one / "capture" / split), FeatureStore(two / "capture" / split)
+        da, db = (datasets.load_from_disk(str(d / "data" / "prepared" / split / "data")) for d in (one, two))
+        assert da["input_ids"] == db["input_ids"] and da["loss_mask"] == db["loss_mask"]
+        for i in range(len(da)):
+            for x, y in zip(a.get(i), b.get(i)):
+                torch.testing.assert_close(x.float(), y.float(), atol=2e-2, rtol=2e-2)  # bf16 storage
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["regen"]["train"]["ranks"] == 2 and summary["regen"]["train"]["tokens_out"] > 0

@@ -279,3 +279,19 @@ def test_tree_greedy_on_the_triton_backend(tiny_dirs, heads):  # noqa: F811
     out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in out] == [truth[tuple(p)] for p in PROMPTS[:2]]
     assert oracle.moved > 0 and llm.engine.stats.num_accepted > 0
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4), *SHAPES], ids=str)
+def test_default_kv_cache_holds_every_request_to_the_last_token(tiny_dirs, heads, shape):  # noqa: F811
+    """The default CPU cache is sized for max_num_seqs requests at max_model_len with speculation's own
+    positions (a verify window at the last allowed token plus the drafter's reserve,
+    `runner.positions_per_request`): requests running together to the last token are never preempted. A
+    preemption would commit a token outside a verify step, and the engine eval's τ would not be the
+    reference's (it was, for a (3, 2, 6) tree)."""
+    new, prompts = 30, [PROMPTS[0]] * 3  # equal lengths: all three reach the last position together
+    llm = make_llm(tiny_dirs, "llama", heads["llama"], shape, max_num_seqs=3, max_model_len=len(PROMPTS[0]) + new + 1)
+    preempted, inner = [], llm.engine.scheduler._preempt
+    llm.engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), inner(seq))
+    out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    assert not preempted
+    assert all(sum(o.outputs[0].spec_accept_lengths) == new - 1 for o in out)

@@ -1,6 +1,7 @@
 """Stage (offline mode, engine backend): regenerate and capture features in one pass.
 
     rows -> EngineRegenerator(capture) -> DIR/capture/<split>/shard-*.{safetensors,json}
+            (under a multi-process launch each rank takes rows[rank::world] into its own shard-r<rank>-*)
          -> DIR/data/prepared/<split>   (the captured ids and masks, as the prepare stage writes them)
          -> DIR/capture/<split>/index.json (a FeatureStore over the rows this run uses)
 
@@ -23,36 +24,61 @@ def capture_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: t
                   progress: bool = True) -> tuple[Path, Path]:
     """Regenerate+capture `rows` (answer rows: ids and temperatures set) where not done; returns
     (prepared dir, feature store dir)."""
-    from train.features import ShardWriter
+    regenerate_share(r, tok, rows, split, root, layer_ids, progress)
+    return finalize_split(r, tok, rows, split, root, layer_ids)
+
+
+def regenerate_share(r, tok, rows: list[dict], split: str, root: Path, layer_ids: tuple[int, ...],
+                     progress: bool = True, rank: int = 0, world: int = 1, device: str | None = None) -> None:
+    """Regenerate+capture this rank's share of the rows not done yet: rows[rank::world] (fixed by position,
+    so ranks never share a row, whatever another rank has finished), into its own shard files. Every rank
+    on its own device; rank 0 indexes them all afterwards (`finalize_split`)."""
+    from train.features import ShardWriter, sidecars
     from train.regen_engine import CAPTURE_SHARD_TOKENS, EngineRegenerator
     from tsengine.targets import resolve
 
-    out = root / "capture" / split
-    settings = {"target": r.target, "tokenizer": tokenizer_digest(tok), "source": r.data.source,
-                "regen": r.regen.model_dump(exclude={"batch_size"}), "layers": list(layer_ids),
-                "dtype": r.features.dtype, "max_length": r.data.max_length}
-    key = digest(settings)
-    writer = ShardWriter(out, key, "shard", r.features.dtype, min(CAPTURE_SHARD_TOKENS, r.features.shard_tokens))
-    have = {e for m in writer.existing() for e in m["examples"]}
-    todo = [x for x in rows if x["id"] not in have]
+    out, key = root / "capture" / split, _key(r, tok, layer_ids)
+    writer = ShardWriter(out, key, "shard" if world == 1 else f"shard-r{rank}", r.features.dtype,
+                         min(CAPTURE_SHARD_TOKENS, r.features.shard_tokens))
+    have = {e for m in sidecars(out, key) for e in m["examples"]}  # any rank's, from any earlier launch
+    todo = [x for x in rows[rank::world] if x["id"] not in have]
     if todo:
         g = r.regen
         t0 = time.time()
         regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed,
-                                  r.data.max_length, layer_ids)
+                                  r.data.max_length, layer_ids, **({"device": device} if device else {}))
         skipped = regen.run(todo, writer=writer, progress=progress)
         if skipped.reasons:
             print(f"regenerate+capture[{split}]: {skipped.summary(len(todo) - sum(skipped.reasons.values()))}")
-        _log_wall(root / "data" / "regen" / f"{split}.wall.json", time.time() - t0, regen.tokens_out)
-    return _finalize(out, writer.existing(), [x["id"] for x in rows], root, split, key)
+        name = split if world == 1 else f"{split}.rank{rank}"
+        log_wall(root / "data" / "regen" / f"{name}.wall.json", time.time() - t0, regen.tokens_out)
 
 
-def _log_wall(path: Path, seconds: float, tokens: int) -> None:
+def finalize_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: tuple[int, ...]) -> tuple[Path, Path]:
+    """The prepared dataset and the store index over every rank's shards, for `rows` in their order."""
+    from train.features import sidecars
+
+    key = _key(r, tok, layer_ids)
+    return _finalize(root / "capture" / split, sidecars(root / "capture" / split, key), [x["id"] for x in rows],
+                     root, split, key)
+
+
+def _key(r, tok, layer_ids: tuple[int, ...]) -> str:
+    """What decides a row's prompt text and answer; not batch_size (the engine's draws are keyed by row
+    id) nor samples_per_prompt/include_greedy (they decide which rows exist, and each keeps its own id)."""
+    d = r.data
+    return digest({"target": r.target, "tokenizer": tokenizer_digest(tok), "seed": r.seed,
+                   "data": [d.source, d.split, d.val_source, d.val_split, d.synthetic_prompts],
+                   "regen": r.regen.model_dump(exclude={"batch_size", "samples_per_prompt", "include_greedy"}),
+                   "layers": list(layer_ids), "dtype": r.features.dtype, "max_length": d.max_length})
+
+
+def log_wall(path: Path, seconds: float, tokens: int | None) -> None:
     """Accumulated over resumed runs: the regenerate stage's wall time and output tokens."""
     prev = json.loads(path.read_text()) if path.exists() else {"wall_s": 0.0, "tokens_out": 0}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"wall_s": round(prev["wall_s"] + seconds, 1),
-                                "tokens_out": prev.get("tokens_out", 0) + tokens}))
+    count = None if tokens is None or prev.get("tokens_out") is None else prev["tokens_out"] + tokens
+    path.write_text(json.dumps({"wall_s": round(prev["wall_s"] + seconds, 1), "tokens_out": count}))
 
 
 def _finalize(out: Path, shards: list[dict], wanted: list[str], root: Path, split: str, key: str) -> tuple[Path, Path]:
@@ -64,6 +90,11 @@ def _finalize(out: Path, shards: list[dict], wanted: list[str], root: Path, spli
 
     where = {ex: (m, i) for m in shards for i, ex in enumerate(m["examples"])}
     keep = [rid for rid in wanted if rid in where]
+    if not keep:
+        from tsengine.errors import UserError
+
+        raise UserError(f"data ({split}): none of {len(wanted)} rows could be regenerated and captured "
+                        "(the reasons were printed above)")
     prepared = root / "data" / "prepared" / split
     used = root / "data" / "used" / f"{split}.jsonl"
     used.parent.mkdir(parents=True, exist_ok=True)

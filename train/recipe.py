@@ -27,7 +27,7 @@ class Data(_Strict):
     split: str = "train"  # the hub dataset split of `source` (e.g. train_sft for ultrachat_200k)
     val_split: str = "train"  # the hub dataset split of `val_source`
     max_length: int = Field(1024, ge=16, le=131072)
-    max_samples: Optional[int] = Field(None, ge=1)  # train rows used (quick runs)
+    max_samples: Optional[int] = Field(None, ge=1)  # source train rows used (seeded subset); synthetic ones add to it
     max_val_samples: Optional[int] = Field(None, ge=1)
     regenerate: bool = True  # replace assistant turns with the target's own answers
     # extra training prompts the target writes itself, per built-in category, from seed examples

@@ -52,11 +52,13 @@ class _Conversation:
 
 
 class EngineRegenerator:
-    """`capture`: None, or (ShardWriter, max_length) — the writer receives each finished conversation's
-    features with its ids, mask and messages."""
+    """`capture_layer_ids`: capture the features of these target layers; `run(writer=...)` then receives
+    each finished conversation's features with its ids, mask and messages. `engine_args` go to the
+    engine (block_size, num_kv_blocks, max_num_batched_tokens, ...)."""
 
     def __init__(self, target: str, tok, max_num_seqs: int = 32, max_new_tokens: int = 256, top_p: float = 1.0,
-                 seed: int = 0, max_length: int | None = None, capture_layer_ids: tuple[int, ...] | None = None):
+                 seed: int = 0, max_length: int | None = None, capture_layer_ids: tuple[int, ...] | None = None,
+                 **engine_args):
         from tsengine.config import EngineConfig
         from tsengine.engine import Engine
 
@@ -66,7 +68,8 @@ class EngineRegenerator:
 
         try:
             self.engine = Engine(EngineConfig.make(model=target, max_num_seqs=max_num_seqs, max_model_len=max_length,
-                                                   capture_layer_ids=tuple(capture_layer_ids) if self.capture else None))
+                                                   capture_layer_ids=tuple(capture_layer_ids) if self.capture else None,
+                                                   **engine_args))
         except UserError as e:  # never a silent fall back to HF: the user picks it
             raise UserError(f"regen.backend engine: {e}; `regen.backend: hf` regenerates with transformers' "
                             "generate instead") from None
@@ -79,11 +82,13 @@ class EngineRegenerator:
         greedy). Without capture, records go to `out_path` (JSONL); with capture, to `writer`."""
         from jinja2 import TemplateError
 
+        from tsengine.errors import UserError
+
         if writer is None:
             out_path = Path(out_path)
             out_path.parent.mkdir(parents=True, exist_ok=True)
         done = ({e for m in writer.existing() for e in m["examples"]} if writer is not None else read_done(out_path))
-        skipped, todo = Skipped(), []
+        skipped, todo, seen = Skipped(), [], set()
         for i, row in enumerate(rows):
             rid = row_id(row, i)
             if rid in done:
@@ -96,6 +101,10 @@ class EngineRegenerator:
             slots = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
             if msgs[-1]["role"] == "user":
                 slots.append(len(msgs))
+            if rid in seen:
+                raise UserError(f"rows: id {rid!r} appears twice; every row needs its own id (answers are "
+                                "cached and written by id)")
+            seen.add(rid)
             todo.append(_Conversation(rid, msgs, slots, float(row.get("temperature") or 0.0)))
         todo.reverse()  # pop() from the end keeps the file's order
         running: dict[str, _Conversation] = {}
@@ -146,7 +155,7 @@ class EngineRegenerator:
 
         text = render(self.tok, conv.messages[:conv.slots[conv.turn]], add_generation_prompt=True)
         conv.prompt_ids, conv.answer = self.tok(text, add_special_tokens=False)["input_ids"], []
-        if self.max_length is not None and len(conv.prompt_ids) >= self.max_length:
+        if len(conv.prompt_ids) >= self.engine.max_model_len:  # max_length when given, else the model's
             raise ValueError("over max length")
         t = conv.temperature
         params = SamplingParams(temperature=t, top_p=self.top_p if t > 0 else 1.0, max_tokens=self.max_new_tokens,

@@ -6,7 +6,8 @@
 Stages (each cached under DIR, keyed by its inputs): prompts/data -> regenerate (target answers) ->
 prepare (tokens + loss mask) -> vocab (d2t/t2d) -> [dump features, offline mode] -> train -> export
 (DIR/export) -> eval (DIR/eval.json). Without `accelerate launch` it runs as one process. Data stages run
-on rank 0 while the other ranks wait; training and feature dumps are data-parallel.
+on rank 0 while the other ranks wait, except regeneration with capture (offline + engine), which every
+rank does for its share of the rows; training and feature dumps are data-parallel.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tsengine.errors import UserError, run_main  # noqa: E402
 
 def _source_splits(r, root: Path) -> tuple[list, list]:
     """(train, val) rows: the built-in collection, or the user's data with a held-out 5% (at least one
-    row). Every row gets an `id` (its own, else its index in the file), which names it in later stages."""
+    row). Every row gets an `id` (its own, else its index in the file), which names it in later stages.
+    `data.max_samples` picks a seeded subset of the source's train rows; target-written prompts
+    (`data.synthetic_prompts`) come on top of it, all of them, as many as the user asked for."""
     import hashlib
 
     from train.data import load_rows
@@ -39,20 +42,22 @@ def _source_splits(r, root: Path) -> tuple[list, list]:
         from train.prompts import synthetic, write_jsonl
 
         paths = write_jsonl(root / "data" / "prompts")
-        return synthetic.add_synthetic(rows_of(str(paths[0]), "train"), r, root), rows_of(str(paths[1]), "train")
+        train = _subset(rows_of(str(paths[0]), "train"), r.data.max_samples, r.seed)
+        return synthetic.add_synthetic(train, r, root), rows_of(str(paths[1]), "train")
     from train.prompts.synthetic import require_builtin
 
     require_builtin(r)  # target-written prompts are seeded by the built-in categories
     rows = rows_of(r.data.source, r.data.split)
     if r.data.val_source:
-        return rows, rows_of(r.data.val_source, r.data.val_split)
+        return _subset(rows, r.data.max_samples, r.seed), rows_of(r.data.val_source, r.data.val_split)
     pick = [int(hashlib.sha256(x["id"].encode()).hexdigest()[:8], 16) % 20 == 0 for x in rows]
     if not any(pick) and len(rows) > 1:
         pick[-1] = True
     if len(rows) < 2 or all(pick):
         raise UserError(f"data {r.data.source}: {len(rows)} row(s) cannot be split into train and validation; "
                         "give more rows or data.val_source")
-    return [x for x, p in zip(rows, pick) if not p], [x for x, p in zip(rows, pick) if p]
+    train = [x for x, p in zip(rows, pick) if not p]
+    return _subset(train, r.data.max_samples, r.seed), [x for x, p in zip(rows, pick) if p]
 
 
 def _answer_rows(r, rows: list, split: str, limit: int | None) -> list:
@@ -103,15 +108,16 @@ def _regenerate(r, model, tok, rows: list, out: Path) -> None:
         out.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     side.write_text(json.dumps(settings))
-    from train.capture import _log_wall
+    from train.capture import log_wall
     from train.data import Skipped
 
-    g, t0, skipped, tokens = r.regen, time.time(), Skipped(), 0
+    g, t0, skipped, tokens = r.regen, time.time(), Skipped(), None  # HF's count is not tracked
     if g.backend == "engine":
         from train.regen_engine import EngineRegenerator
         from tsengine.targets import resolve
 
-        regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed)
+        regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed,
+                                  r.data.max_length)
         skipped = regen.run(rows, out)
         tokens = regen.tokens_out
     else:  # HF generate samples one temperature per call: one pass per temperature
@@ -121,7 +127,7 @@ def _regenerate(r, model, tok, rows: list, out: Path) -> None:
                                    .run(part, out).reasons)
     if skipped.reasons:
         print(f"regenerate: {skipped.summary(len(rows) - sum(skipped.reasons.values()))}")
-    _log_wall(out.with_suffix(".wall.json"), time.time() - t0, tokens)
+    log_wall(out.with_suffix(".wall.json"), time.time() - t0, tokens)
 
 
 def _subset(rows: list, limit: int | None, seed: int) -> list:
@@ -130,7 +136,9 @@ def _subset(rows: list, limit: int | None, seed: int) -> list:
         return rows
     import random
 
-    keep = sorted(random.Random(seed).sample(range(len(rows)), limit))
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)  # one permutation: a larger limit only adds rows (caches grow)
+    keep = sorted(order[:limit])
     return [rows[i] for i in keep]
 
 
@@ -155,21 +163,31 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
     model, tok = load_target(r.target, dtype=dtype, device=str(state.device))
     report: dict = {"recipe": r.model_dump(mode="json")}
     prepared = {}
+    limits = {"train": None, "val": r.data.max_val_samples}  # train: subset by _source_splits
+    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=r.vocab.draft_vocab_size,
+                                  aux_layer_ids=r.head.aux_layer_ids)
+    layers = cfg.aux_layer_ids
+    sharded = _captures(r) and state.num_processes > 1
+    if sharded:  # every rank regenerates and captures its share, on its own device
+        from train.capture import regenerate_share
+
+        with state.main_process_first():  # rank 0 writes the prompt files (and target-written prompts)
+            splits = dict(zip(("train", "val"), _source_splits(r, root)))
+        for split, rows in splits.items():
+            regenerate_share(r, tok, _answer_rows(r, rows, split, limits[split]), split, root, layers,
+                             rank=state.process_index, world=state.num_processes, device=str(state.device))
+        state.wait_for_everyone()
     with state.main_process_first():
         if state.is_main_process:
+            from train.capture import capture_split, finalize_split
             from train.prepare_data import prepare
             from train.vocab import build_vocab
 
             splits = dict(zip(("train", "val"), _source_splits(r, root)))
-            limits = {"train": r.data.max_samples, "val": r.data.max_val_samples}
             for split, rows in splits.items():
                 if _captures(r):
-                    from train.capture import capture_split
-
-                    layers = Eagle3Config.for_target(model.config, draft_vocab_size=r.vocab.draft_vocab_size,
-                                                     aux_layer_ids=r.head.aux_layer_ids).aux_layer_ids
                     rows = _answer_rows(r, rows, split, limits[split])
-                    prepared[split] = capture_split(r, tok, rows, split, root, layers)[0]
+                    prepared[split] = (finalize_split if sharded else capture_split)(r, tok, rows, split, root, layers)[0]
                     continue
                 used = _used(r, model, tok, rows, split, root, limits[split])
                 prepared[split] = prepare(tok, used, root / "data" / "prepared" / split, r.data.max_length)
@@ -182,8 +200,6 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
     prepared = {s: root / "data" / "prepared" / s for s in ("train", "val")}
     vocab_dir = Path((root / "vocab" / "current").read_text())
     data = {s: load_prepared(p) for s, p in prepared.items()}
-    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=r.vocab.draft_vocab_size,
-                                  aux_layer_ids=r.head.aux_layer_ids)
     from tsengine.eagle3.head import Eagle3Head
 
     head = Eagle3Head(cfg)
@@ -217,9 +233,11 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
         report["data"] = {s: json.loads((p / "stage.json").read_text()) for s, p in prepared.items()}
         report["vocab"] = json.loads((vocab_dir / "stage.json").read_text())
         for split in ("train", "val"):
-            wall = root / "data" / "regen" / f"{split}.wall.json"
-            if wall.exists():
-                report.setdefault("regen", {})[split] = json.loads(wall.read_text())  # wall_s, tokens_out
+            walls = [json.loads(p.read_text()) for p in sorted((root / "data" / "regen").glob(f"{split}.*wall.json"))]
+            if walls:  # one file, or one per rank (ranks run side by side: the stage lasts the longest one)
+                tokens = [w["tokens_out"] for w in walls]
+                report.setdefault("regen", {})[split] = {"wall_s": max(w["wall_s"] for w in walls), "ranks": len(walls),
+                                                         "tokens_out": None if None in tokens else sum(tokens)}
         report["eval"] = _eval(r, model, tok, root, user_sized)
         (root / "summary.json").write_text(json.dumps(report, indent=1))
         print(json.dumps({k: report[k] for k in ("train", "eval") if k in report}, indent=1))

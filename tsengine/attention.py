@@ -56,6 +56,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """q [T, nh, d] -> [T, nh, d]. Vectorized over requests: pad each request's queries to max_q and
     gather its KV to max_ctx, one SDPA call with a position mask, unpad. Padding query rows attend to
     position 0 (always valid), so no row is fully masked."""
+    if ctx.groups is not None:  # decodes apart from long runs: nobody pads one token to a chunk's length
+        out = torch.empty_like(q)
+        for rows, sub in ctx.parts():
+            out[rows] = paged_attention_torch(q.index_select(0, rows), k_cache, v_cache, sub, scale)
+        return out
     slots, local, mask = _dense_plan(ctx, k_cache.shape[1], q.device, q.dtype)
     b = ctx.block_tables.shape[0]
     nkv, d = k_cache.shape[2:]

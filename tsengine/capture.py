@@ -28,15 +28,25 @@ class Captured:
     argmax: torch.Tensor  # [L-1] long, over the full target vocab
 
 
+def bytes_per_position(aux_width: int, hidden: int, dtype: torch.dtype) -> int:
+    return (aux_width + hidden) * torch.finfo(dtype).bits // 8 + 8
+
+
 class CaptureBuffer:
-    """One request's rows, indexed by position; sized for its prompt plus `max_tokens` at admission."""
+    """One request's rows, indexed by position, sized for its prompt plus `max_tokens`. Allocated when the
+    request first runs, so a waiting request holds no memory (the runner reserves room for the running
+    ones before it sizes the KV cache)."""
 
     def __init__(self, capacity: int, aux_width: int, hidden: int, dtype: torch.dtype, device):
-        self.aux = torch.empty(capacity, aux_width, dtype=dtype, device=device)
-        self.final = torch.empty(capacity, hidden, dtype=dtype, device=device)
-        self.argmax = torch.empty(capacity, dtype=torch.long, device=device)
+        self.shape = (capacity, aux_width, hidden, dtype, device)
+        self.aux = self.final = self.argmax = None
 
     def write(self, start: int, aux: torch.Tensor, final: torch.Tensor, argmax: torch.Tensor) -> None:
+        if self.aux is None:
+            capacity, aux_width, hidden, dtype, device = self.shape
+            self.aux = torch.empty(capacity, aux_width, dtype=dtype, device=device)
+            self.final = torch.empty(capacity, hidden, dtype=dtype, device=device)
+            self.argmax = torch.empty(capacity, dtype=torch.long, device=device)
         end = start + aux.shape[0]
         self.aux[start:end], self.final[start:end], self.argmax[start:end] = aux, final, argmax
 

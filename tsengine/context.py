@@ -15,6 +15,17 @@ import torch
 from tsengine.kv_cache import slot
 
 
+def _group(reqs: list[int], runs, starts: list[int], lens: list[int], t) -> tuple:
+    """Host bookkeeping of one group of requests (see `Context.groups`)."""
+    rows, seq, qstart = [], [], [0]
+    for i, b in enumerate(reqs):
+        n = runs[b][2]
+        rows.extend(range(starts[b], starts[b] + n))
+        seq.extend([i] * n)
+        qstart.append(qstart[-1] + n)
+    return (t(rows), t(reqs), t(seq), t(qstart), max(runs[b][2] for b in reqs), max(lens[b] for b in reqs))
+
+
 @dataclass
 class Context:
     positions: torch.Tensor  # [T] long: absolute position of each token (RoPE and the causal limit)
@@ -33,6 +44,10 @@ class Context:
     # starts at its own index with only its own bit, which is causal attention.
     tree_start: torch.Tensor | None = None  # [T] long: KV index where the token's window starts
     tree_anc: torch.Tensor | None = None  # [T] int64: visible window slots as bits (N ≤ 64)
+    # A step mixing one-token runs (decodes) with longer ones (prefill chunks, verify windows): the two
+    # groups as (rows, request indices, request index of each row, query starts, max_q, max_ctx), so that
+    # a backend that pads queries per request pads only the long runs, not every decode to the chunk length
+    groups: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +74,25 @@ class Context:
 
         bt = runs[0][0]
         consecutive = len(runs) == 1 and bt == list(range(bt[0], bt[0] + len(bt)))
-        return Context(t(positions), t(seq_index), t(slots), t(tables), t(lens), t(starts),
-                       max(n for _, _, n in runs), max(lens), dense_base=bt[0] * block_size if consecutive else None)
+        ctx = Context(t(positions), t(seq_index), t(slots), t(tables), t(lens), t(starts),
+                      max(n for _, _, n in runs), max(lens), dense_base=bt[0] * block_size if consecutive else None)
+        ones = [b for b, (_, _, n) in enumerate(runs) if n == 1]
+        if 1 < len(ones) < len(runs):
+            longer = [b for b, (_, _, n) in enumerate(runs) if n > 1]
+            ctx.groups = tuple(_group(reqs, runs, starts, lens, t) for reqs in (ones, longer))
+        return ctx
+
+    def parts(self) -> list[tuple[torch.Tensor, "Context"]]:
+        """(flat rows, sub-context) per group of `groups`; built once per forward (after `set_trees`), so
+        each sub-context's own memo serves every layer."""
+        if "parts" not in self.memo:
+            out = []
+            for rows, reqs, seq, qstart, max_q, max_ctx in self.groups:
+                tree = {} if self.tree_anc is None else {"tree_start": self.tree_start[rows], "tree_anc": self.tree_anc[rows]}
+                out.append((rows, Context(self.positions[rows], seq, self.slot_mapping[rows], self.block_tables[reqs],
+                                          self.context_lens[reqs], qstart, max_q, max_ctx, **tree)))
+            self.memo["parts"] = out
+        return self.memo["parts"]
 
     def set_trees(self, rows: torch.Tensor, start: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor) -> None:
         """Turn runs built by `build` into tree windows: `rows` [W, N] flat token indices of each window,

@@ -222,23 +222,31 @@ class Engine:
 
     def _capture(self, batch, bases: list[int], hidden, aux, rows: list[int], logits) -> None:
         """Keep the rows of capturing runs at their positions. The argmax of a sampled row comes from the
-        logits the step formed anyway; only prefill interiors need their own (which rows those are is
-        known on the host: no sync)."""
+        logits the step formed anyway; only prefill interiors need their own. Which rows are which is
+        host bookkeeping (no sync); the index tensors go over without waiting."""
         runs = [(s, base) for s, base in zip(batch, bases) if s.seq.capture is not None]
         if not runs:
             return
         dev = hidden.device
-        sampled = dict(zip(rows, range(len(rows))))
-        flat = [j for s, base in runs for j in range(base, base + s.num_tokens)]
-        interior = [j for j in flat if j not in sampled]
+        logit_of = {row: i for i, row in enumerate(rows)}  # the step's sampled rows -> their logits row
+        interior, last_rows, last_logits = [], [], []
+        for s, base in runs:
+            end = base + s.num_tokens
+            last = logit_of.get(end - 1)
+            interior.extend(range(base, end if last is None else end - 1))
+            if last is not None:
+                last_rows.append(end - 1)
+                last_logits.append(last)
+
+        def index(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
+
         arg = torch.empty(hidden.shape[0], dtype=torch.long, device=dev)
         if interior:
-            at = torch.tensor(interior, dtype=torch.long, device=dev)
+            at = index(interior)
             arg[at] = full_argmax(self.runner.model, hidden[at])
-        done = [j for j in flat if j in sampled]
-        if done:
-            arg[torch.tensor(done, dtype=torch.long, device=dev)] = \
-                logits[torch.tensor([sampled[j] for j in done], dtype=torch.long, device=dev)].argmax(-1)
+        if last_rows:
+            arg[index(last_rows)] = logits[index(last_logits)].argmax(-1)
         for s, base in runs:
             end = base + s.num_tokens
             s.seq.capture.write(s.start, aux[base:end], hidden[base:end], arg[base:end])

@@ -101,10 +101,12 @@ def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     flat[:, dst] = flat[:, src]
 
 
-def plan_blocks(budget_bytes: int, per_block: int, block_size: int, max_model_len: int) -> int:
+def plan_blocks(budget_bytes: int, per_block: int, block_size: int, positions: int) -> int:
+    """`positions`: the most one request holds (`runner.positions_per_request`); the cache fits at least one."""
     n = budget_bytes // per_block
-    if n < -(-max_model_len // block_size):
+    if n < -(-positions // block_size):
         raise UserError(f"the KV cache budget ({budget_bytes / 2**20:.1f} MiB) holds {n} blocks of {block_size} "
-                        f"tokens; one request of max_model_len {max_model_len} needs "
-                        f"{-(-max_model_len // block_size)}: raise the KV cache memory or lower max_model_len")
+                        f"tokens; one request at max_model_len holds up to {positions} positions "
+                        f"({-(-positions // block_size)} blocks, speculation included): raise the KV cache memory "
+                        "or lower max_model_len")
     return n

@@ -45,6 +45,12 @@ def reserve_slots(spec) -> int:
     return 0 if spec is None else max(2 * spec.num_steps, spec.num_draft_tokens)
 
 
+def positions_per_request(spec, max_model_len: int) -> int:
+    """The most KV positions one request holds at once: the scheduler grows a verify window at the last
+    allowed token (max_model_len - 1 tokens, one not yet cached) to its window plus `reserve_slots`."""
+    return max_model_len + reserve_slots(spec) + (spec.num_draft_tokens - 1 if spec is not None else 0)
+
+
 class Runner:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -109,7 +115,7 @@ class Runner:
         if self.head is not None:
             h = self.head.config
             per += kv_cache.bytes_per_block(c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype)
-        reserve = reserve_slots(spec)
+        held = positions_per_request(spec, self.max_model_len)
         # Rejection sampling keeps each running request's draft distributions q ([S, draft vocab] fp32) from
         # its draft step to its verify step, and verification scatters them into the target vocab.
         self.q_bytes = 0
@@ -118,16 +124,27 @@ class Runner:
             log.info("speculative sampling: recorded draft distributions take up to %.1f MiB (max_num_seqs %d x "
                      "%d steps x (draft vocab %d + vocab %d) x 4 B), reserved before the KV cache", self.q_bytes / 2**20,
                      c.max_num_seqs, spec.num_steps, self.head.config.draft_vocab_size, self.vocab_size)
+        # Capturing requests keep their target features by position (tsengine/capture.py): room for every
+        # running request at full length, reserved like q.
+        if c.capture_layer_ids:
+            from tsengine.capture import bytes_per_position
+
+            self.q_bytes += c.max_num_seqs * self.max_model_len * bytes_per_position(
+                len(c.capture_layer_ids) * cfg.hidden_size, cfg.hidden_size, self.dtype)
         if self.device.type == "cuda":
+            import gc
+
+            gc.collect()  # an engine freed before this one (eval shapes, regeneration splits) gives its
+            torch.cuda.empty_cache()  # cache back, or mem_get_info counts it as used
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - (1 - c.gpu_memory_utilization) * total) - self.q_bytes
         elif c.kv_cache_memory is not None:
             budget = c.kv_cache_memory - self.q_bytes
         else:  # enough for every request slot at full length, capped at 4 GiB
-            budget = min(c.max_num_seqs * -(-(self.max_model_len + reserve) // c.block_size) * per, 4 << 30)
+            budget = min(c.max_num_seqs * -(-held // c.block_size) * per, 4 << 30)
         if c.num_kv_blocks is not None:
             budget = c.num_kv_blocks * per
-        n = kv_cache.plan_blocks(budget, per, c.block_size, self.max_model_len + reserve)
+        n = kv_cache.plan_blocks(budget, per, c.block_size, held)
         self.blocks = kv_cache.BlockManager(n, c.block_size)
         self.kv_buf, self.kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
                                                  cfg.head_dim, self.dtype, self.device)
