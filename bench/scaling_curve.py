@@ -31,6 +31,21 @@ def log_fit(x: list[float], y: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def require_same_settings(full: Path, sub: Path) -> None:
+    """A point may differ from the full run in its subset and the oracle check (which measures nothing)
+    only: otherwise the curve would mix recipes."""
+    def settings(run: Path) -> dict:
+        r = json.loads((run / "summary.json").read_text())["recipe"]
+        del r["output_dir"], r["data"]["max_samples"], r["eval"]["oracle_prompts"]
+        return r
+
+    a, b = settings(full), settings(sub)
+    if a != b:
+        diff = sorted(f"{k}.{f}" for k in a for f in set(a[k]) | set(b[k])
+                      if isinstance(a[k], dict) and a[k].get(f) != b[k].get(f)) or [k for k in a if a[k] != b[k]]
+        raise SystemExit(f"{sub}: trained with other settings than {full}: {', '.join(diff)}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="a finished recipe run with captured features")
@@ -48,6 +63,7 @@ def main() -> None:
             sub.mkdir(parents=True, exist_ok=True)
             subprocess.run(["cp", "-al", str(run / "capture"), str(sub / "capture")], check=True)
         run_recipe(args.recipe, sub, ["--max-samples", str(n), *args.overrides])
+        require_same_settings(run, sub)
         points.append(row(sub))
     points.append(row(run))
     print("| prompts | trained-on tokens | all tokens | τ chain | τ tree | val acc_0 | train wall s |")

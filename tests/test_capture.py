@@ -265,6 +265,26 @@ def test_answer_rows_and_their_recipe_rules(tmp_path):
         validate({"target": "x", "regen": {"backend": "vllm"}})
 
 
+def test_capture_key_follows_what_decides_a_row(tiny_models, monkeypatch):
+    """Target-written prompts: their count may change without redoing the captured rows (a row's text
+    depends on its id and the generator's version), a new generator version redoes them; the answers'
+    settings count, the engine's batch size does not."""
+    from train import capture
+    from train.prompts import synthetic
+    from train.recipe import load
+
+    _, tok = tiny_models["llama"]
+
+    def key(*over):
+        return capture._key(load(None, ["target=x", *over]), tok, LAYERS)
+
+    assert key("data.synthetic_prompts=8") == key("data.synthetic_prompts=20") != key()
+    assert key("regen.batch_size=4") == key() != key("regen.max_new_tokens=7")
+    before = key("data.synthetic_prompts=8")
+    monkeypatch.setattr(synthetic, "VERSION", synthetic.VERSION + 1)
+    assert key("data.synthetic_prompts=8") != before and key() == key("regen.batch_size=4")
+
+
 def _pipeline(tiny_dirs, tmp_path: Path, name: str, nproc: int = 1, **regen) -> Path:
     """The pipeline in offline mode with the engine backend, on 9 + 2 tiny prompts; `nproc` > 1 launches
     that many gloo ranks through torchrun."""

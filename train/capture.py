@@ -14,6 +14,7 @@ rows asked for, in their order, so example i of the dataset is example i of the 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -66,9 +67,13 @@ def finalize_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: 
 def _key(r, tok, layer_ids: tuple[int, ...]) -> str:
     """What decides a row's prompt text and answer; not batch_size (the engine's draws are keyed by row
     id) nor samples_per_prompt/include_greedy (they decide which rows exist, and each keeps its own id)."""
+    from train.prompts.synthetic import VERSION
+
     d = r.data
+    # a target-written prompt's text depends on its id and the generator's version, not on how many were
+    # asked for: N may change without redoing any row (0 keeps the key runs without them always had)
     return digest({"target": r.target, "tokenizer": tokenizer_digest(tok), "seed": r.seed,
-                   "data": [d.source, d.split, d.val_source, d.val_split, d.synthetic_prompts],
+                   "data": [d.source, d.split, d.val_source, d.val_split, VERSION if d.synthetic_prompts else 0],
                    "regen": r.regen.model_dump(exclude={"batch_size", "samples_per_prompt", "include_greedy"}),
                    "layers": list(layer_ids), "dtype": r.features.dtype, "max_length": d.max_length})
 
@@ -121,5 +126,9 @@ def _finalize(out: Path, shards: list[dict], wanted: list[str], root: Path, spli
     size = sum((out / m["file"]).stat().st_size for m in shards)
     index = {"key": pkey, "tokens": sum(sum(s["lengths"]) for s in index_shards), "bytes": size,
              "bytes_per_token": round(size / max(rows, 1), 1), "shards": index_shards, "captured": True}
-    (out / INDEX).write_text(json.dumps(index))
+    # a new file, never written through: the shards (and an index) may be hard links shared with another
+    # run (bench/scaling_curve.py); the temp name is this process's own, so no leftover is linked either
+    tmp = out / f".{INDEX}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(index))
+    os.replace(tmp, out / INDEX)
     return prepared, out

@@ -101,8 +101,12 @@ def _regenerate(r, model, tok, rows: list, out: Path) -> None:
     """Answers are cached by row id across runs: a larger max_samples only adds rows; other
     regeneration settings (or another source) start over."""
     from train.regenerate import Regenerator
+    from train.stages import tokenizer_digest
 
-    settings = {"source": r.data.source, **r.regen.model_dump()}
+    # what decides an answer: the engine keys its draws by row id, so its batch size does not count
+    settings = {"source": r.data.source, "target": r.target, "tokenizer": tokenizer_digest(tok),
+                "max_length": r.data.max_length,
+                **r.regen.model_dump(exclude={"batch_size"} if r.regen.backend == "engine" else set())}
     side = out.with_suffix(".settings.json")
     if side.exists() and json.loads(side.read_text()) != settings:
         out.unlink(missing_ok=True)

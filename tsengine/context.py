@@ -15,7 +15,11 @@ import torch
 from tsengine.kv_cache import slot
 
 
-def _group(reqs: list[int], runs, starts: list[int], lens: list[int], t) -> tuple:
+def _long(x: list[int], device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _group(reqs: list[int], runs, starts: list[int], lens: list[int]) -> tuple:
     """Host bookkeeping of one group of requests (see `Context.groups`)."""
     rows, seq, qstart = [], [], [0]
     for i, b in enumerate(reqs):
@@ -23,7 +27,7 @@ def _group(reqs: list[int], runs, starts: list[int], lens: list[int], t) -> tupl
         rows.extend(range(starts[b], starts[b] + n))
         seq.extend([i] * n)
         qstart.append(qstart[-1] + n)
-    return (t(rows), t(reqs), t(seq), t(qstart), max(runs[b][2] for b in reqs), max(lens[b] for b in reqs))
+    return rows, reqs, seq, qstart, max(runs[b][2] for b in reqs), max(lens[b] for b in reqs)
 
 
 @dataclass
@@ -45,8 +49,9 @@ class Context:
     tree_start: torch.Tensor | None = None  # [T] long: KV index where the token's window starts
     tree_anc: torch.Tensor | None = None  # [T] int64: visible window slots as bits (N ≤ 64)
     # A step mixing one-token runs (decodes) with longer ones (prefill chunks, verify windows): the two
-    # groups as (rows, request indices, request index of each row, query starts, max_q, max_ctx), so that
-    # a backend that pads queries per request pads only the long runs, not every decode to the chunk length
+    # groups as host lists (rows, request indices, request index of each row, query starts, max_q,
+    # max_ctx), so that a backend that pads queries per request pads only the long runs, not every decode
+    # to the chunk length. Only such a backend turns them into tensors (`parts`).
     groups: tuple | None = None
 
     @property
@@ -70,7 +75,7 @@ class Context:
             tables.append(bt + [0] * (width - len(bt)))
 
         def t(x):
-            return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
+            return _long(x, device)
 
         bt = runs[0][0]
         consecutive = len(runs) == 1 and bt == list(range(bt[0], bt[0] + len(bt)))
@@ -79,15 +84,16 @@ class Context:
         ones = [b for b, (_, _, n) in enumerate(runs) if n == 1]
         if 1 < len(ones) < len(runs):
             longer = [b for b, (_, _, n) in enumerate(runs) if n > 1]
-            ctx.groups = tuple(_group(reqs, runs, starts, lens, t) for reqs in (ones, longer))
+            ctx.groups = tuple(_group(reqs, runs, starts, lens) for reqs in (ones, longer))
         return ctx
 
     def parts(self) -> list[tuple[torch.Tensor, "Context"]]:
         """(flat rows, sub-context) per group of `groups`; built once per forward (after `set_trees`), so
         each sub-context's own memo serves every layer."""
         if "parts" not in self.memo:
-            out = []
+            out, dev = [], self.positions.device
             for rows, reqs, seq, qstart, max_q, max_ctx in self.groups:
+                rows, reqs, seq, qstart = (_long(x, dev) for x in (rows, reqs, seq, qstart))
                 tree = {} if self.tree_anc is None else {"tree_start": self.tree_start[rows], "tree_anc": self.tree_anc[rows]}
                 out.append((rows, Context(self.positions[rows], seq, self.slot_mapping[rows], self.block_tables[reqs],
                                           self.context_lens[reqs], qstart, max_q, max_ctx, **tree)))
