@@ -25,14 +25,14 @@ import torch
 
 
 def _val_file() -> str:
-    from train.prompts import write_jsonl
+    from tsengine.train.prompts import write_jsonl
 
     return str(write_jsonl(tempfile.mkdtemp(), 0.05)[1])
 
 
 def val_prompts(tok, n: int) -> list[list[int]]:
     """n built-in validation prompts (never trained on), evenly spaced by id, chat-templated."""
-    from infer.eval import prompts_from
+    from tsengine.infer.eval import prompts_from
 
     return [ids for _, ids in prompts_from(_val_file(), tok, n)]
 

@@ -23,7 +23,7 @@ SHAPES = [(3, 1, 4), (4, 4, 16), (6, 8, 32)]
 
 
 def main() -> None:
-    from infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
+    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
     from tsengine.eagle3.format import load_head
     from tsengine.targets import encode_prompt, eos_ids, load_target
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def prompts(n: int, seed: int = 0) -> list[dict]:
-    from train.prompts import write_jsonl
+    from tsengine.train.prompts import write_jsonl
 
     rows = [json.loads(x) for x in Path(write_jsonl(tempfile.mkdtemp())[0]).read_text().splitlines()]
     return [{**r, "temperature": 0.0} for r in random.Random(seed).sample(rows, n)]
@@ -44,9 +44,9 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true")
     args = p.parse_args()
 
-    from train.features import ShardWriter
-    from train.regen_engine import EngineRegenerator
-    from train.regenerate import Regenerator
+    from tsengine.train.features import ShardWriter
+    from tsengine.train.regen_engine import EngineRegenerator
+    from tsengine.train.regenerate import Regenerator
     from tsengine.eagle3.config import default_aux_layer_ids
     from tsengine.targets import load_target, resolve
 

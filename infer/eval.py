@@ -1,6 +1,6 @@
 """Acceptance of a head over a prompt file: τ (tokens per target forward, bonus included), temperature 0.
 
-    python -m infer.eval --target DIR --draft DIR --prompts FILE [--steps 3 --topk 1 --num-draft-tokens 4]
+    python -m tsengine.infer.eval --target DIR --draft DIR --prompts FILE [--steps 3 --topk 1 --num-draft-tokens 4]
         [--tree 6,8,32] [--num-prompts N] [--max-new-tokens M] [--backend engine|reference]
         [--oracle-prompts 2] [--json OUT]
 
@@ -19,7 +19,7 @@ tsengine's engine: seconds where the reference takes minutes (SmolLM2, 2 CPU cor
 unchanged: greedy output is per request, and the engine's drafts equal the reference drafter's for the
 same committed tokens (tests/test_engine_tree.py). The reference generator stays the oracle: per shape,
 `--oracle-prompts` of the prompts (default 2, evenly spaced; 0 turns it off) are generated again with
-`infer.reference` and their tokens compared with the engine's. A difference is an error (exit 1), except a
+`tsengine.infer.reference` and their tokens compared with the engine's. A difference is an error (exit 1), except a
 first divergence at a near-tie of the target's logits (top-2 within 1e-4 relative: the engine's fp32
 kernels reduce in another order than HF's), which is a warning with the margin; equal tokens with other
 accept lengths (the draft's own near-ties) are a warning too. A shape the engine does not run (its rules
@@ -52,7 +52,7 @@ class EvalWarning(UserWarning):
 
 
 def prompts_from(path: str, tok, limit: int | None) -> list[tuple[str, list[int]]]:
-    from train.data import load_rows, normalize
+    from tsengine.train.data import load_rows, normalize
 
     out = []
     for i, row in enumerate(load_rows(path)):
@@ -101,7 +101,7 @@ def evaluate(model, tok, head, prompts, shapes, max_new_tokens: int, progress: b
     """With the reference generator: {"S,K,N": {"tau", "tokens", "verify_steps", "per_prompt", "accept_hist"}}."""
     from tqdm import tqdm
 
-    from infer.reference import ReferenceSpeculator, SpecShape
+    from tsengine.infer.reference import ReferenceSpeculator, SpecShape
     from tsengine.targets import eos_ids
 
     stop = eos_ids(model, tok)
@@ -162,7 +162,7 @@ def check_oracle(model, tok, head, prompts, results: dict, max_new_tokens: int, 
     to results[shape]["oracle"]. Call `raise_on_mismatch` after saving the results."""
     from tqdm import tqdm
 
-    from infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
+    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
     from tsengine.targets import eos_ids
 
     stop = eos_ids(model, tok)
@@ -197,7 +197,7 @@ def raise_on_mismatch(results: dict) -> None:
            f"relative logit gap {e['rel_gap']:.2e}, decisive)"
            for key, r in results.items() for e in r.get("oracle", {}).get("prompts", []) if e["status"] == "mismatch"]
     if bad:
-        raise OracleMismatch("the engine's greedy output differs from the reference generator's (infer.reference):\n"
+        raise OracleMismatch("the engine's greedy output differs from the reference generator's (tsengine.infer.reference):\n"
                              + "\n".join(f"  - {b}" for b in bad))
 
 
@@ -268,7 +268,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infer.eval", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tsengine.infer.eval", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
     p.add_argument("--prompts", required=True, help="JSON/JSONL/Parquet rows (messages or conversations)")
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from transformers import AutoTokenizer
 
-        from infer.reference import SpecShape
+        from tsengine.infer.reference import SpecShape
         from tsengine.targets import resolve
 
         problems = [f"--{name} is {v}; must be >= {lo}" for name, v, lo in

@@ -1,6 +1,6 @@
 """Reference speculative generation from the command line (slow on purpose: it is the oracle).
 
-    python -m infer.generate --target DIR --draft DIR --prompt TEXT [--steps S --topk K
+    python -m tsengine.infer.generate --target DIR --draft DIR --prompt TEXT [--steps S --topk K
         --num-draft-tokens N --max-new-tokens M] [--raw] [--json] [--check-greedy]
 """
 
@@ -14,7 +14,7 @@ from tsengine.errors import UserError
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tsengine.infer.generate", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="HF directory, embedded name (smollm2-135m) or hub id")
     p.add_argument("--draft", required=True, help="EAGLE-3 head directory (export format)")
     p.add_argument("--prompt", required=True, help="one user message (or plain text with --raw)")
@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
+    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
     from tsengine.eagle3.format import load_head
     from tsengine.targets import encode_prompt, eos_ids, load_target
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except UserError as e:
-        print(f"infer.generate: error: {e}", file=sys.stderr)
+        print(f"tsengine.infer.generate: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train.data import captured_example
-from train.features import FeatureStore, ShardWriter, TargetFeatures
-from train.regen_engine import EngineRegenerator
-from train.regenerate import answer_rows
+from tsengine.train.data import captured_example
+from tsengine.train.features import FeatureStore, ShardWriter, TargetFeatures
+from tsengine.train.regen_engine import EngineRegenerator
+from tsengine.train.regenerate import answer_rows
 
 LAYERS = (1, 3, 5)
 WORDS = "the water one number how long two people call first who may down side been now find".split()
@@ -190,10 +190,10 @@ def test_captured_example_refuses_a_template_that_rewrites_the_reply(tiny_models
 def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_models, tmp_path):
     """The same prepared rows, features captured vs dumped by a second pass: the TTT loss and its
     gradient agree (the captured store has no row for the last token, which no loss term reads)."""
-    from train import dump_features
-    from train.capture import _finalize
-    from train.prepare_data import load_prepared
-    from train.trainer import TTTModel, collate
+    from tsengine.train import dump_features
+    from tsengine.train.capture import _finalize
+    from tsengine.train.prepare_data import load_prepared
+    from tsengine.train.trainer import TTTModel, collate
     from tests.conftest import random_head
 
     model, tok = tiny_models["llama"]
@@ -230,7 +230,7 @@ def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_mode
 def test_engine_regeneration_resumes_and_matches_hf(tiny_models, tiny_dirs, tmp_path):
     """Without capture the engine backend writes the same JSONL as the HF one: resumable by id, a torn
     line dropped, bad rows counted, and the same greedy answers."""
-    from train.regenerate import Regenerator, read_done
+    from tsengine.train.regenerate import Regenerator, read_done
 
     model, tok = tiny_models["llama"]
     rows = prompt_rows(7)[:-1]
@@ -250,7 +250,7 @@ def test_engine_regeneration_resumes_and_matches_hf(tiny_models, tiny_dirs, tmp_
 
 
 def test_answer_rows_and_their_recipe_rules(tmp_path):
-    from train.recipe import validate
+    from tsengine.train.recipe import validate
     from tsengine.errors import UserError
 
     rows = [{"id": "a", "messages": []}, {"id": "b", "messages": []}]
@@ -269,9 +269,9 @@ def test_capture_key_follows_what_decides_a_row(tiny_models, monkeypatch):
     """Target-written prompts: their count may change without redoing the captured rows (a row's text
     depends on its id and the generator's version), a new generator version redoes them; the answers'
     settings count, the engine's batch size does not."""
-    from train import capture
-    from train.prompts import synthetic
-    from train.recipe import load
+    from tsengine.train import capture
+    from tsengine.train.prompts import synthetic
+    from tsengine.train.recipe import load
 
     _, tok = tiny_models["llama"]
 

@@ -21,7 +21,7 @@ def test_head_init_then_reference_generate(tiny_dirs, tmp_path):
     assert r.stdout.strip() == str(head)
     cfg = json.loads((head / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 128
-    r = run("-m", "infer.generate", "--target", target, "--draft", str(head), "--prompt", "the water",
+    r = run("-m", "tsengine.infer.generate", "--target", target, "--draft", str(head), "--prompt", "the water",
             "--topk", "2", "--steps", "3", "--num-draft-tokens", "7", "--max-new-tokens", "12", "--json",
             "--check-greedy")
     assert r.returncode == 0, r.stderr
@@ -52,10 +52,10 @@ def test_head_init_with_token_counts(tiny_dirs, tmp_path):
     (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--aux-layer-ids", "1,2"],
      "expected three comma-separated layer ids"),
     (["tsengine.cli", "pull", "gpt-17"], "unknown embedded target 'gpt-17'; available: smollm2-135m"),
-    (["infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x"], "draft head directory /no/head does not exist"),
-    (["infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--topk", "2"],
+    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x"], "draft head directory /no/head does not exist"),
+    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--topk", "2"],
      "--num-draft-tokens is required for a tree"),
-    (["infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--num-draft-tokens", "9"],
+    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--num-draft-tokens", "9"],
      "needs num_draft_tokens = steps + 1 = 4"),
 ])
 def test_user_mistakes_exit_nonzero_without_traceback(tiny_dirs, args, needle, tmp_path):

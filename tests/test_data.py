@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from train.data import Skipped, build, load_rows, normalize, tokenize
+from tsengine.train.data import Skipped, build, load_rows, normalize, tokenize
 
 LLAMA3 = (
     "{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from train.trainer import _deepspeed_clipping
+from tsengine.train.trainer import _deepspeed_clipping
 from tsengine.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
 from tests.conftest import random_head
 from tsengine.context import Context
 from tsengine.eagle3.format import save_head
@@ -108,7 +108,7 @@ def test_greedy_spec_equals_greedy_mixed_batch(tiny_dirs, tiny_models, heads, ki
     assert st.num_accepted > 0 and st.accepted_per_pos[-1] > 0, "drafts were never accepted to full depth"
     assert oracle.engine is llm.engine
     for p in PROMPTS[:2]:
-        from infer.reference import greedy_generate
+        from tsengine.infer.reference import greedy_generate
 
         plain = greedy_generate(hf, p, 40)
         verdict = compare_to_greedy(hf, p, truth[tuple(p)], plain)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from infer.reference import compare_to_greedy, greedy_generate
+from tsengine.infer.reference import compare_to_greedy, greedy_generate
 from tests.conftest import random_head
 from tsengine.context import Context
 from tsengine.eagle3.format import save_head

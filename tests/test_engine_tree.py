@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from infer.reference import ReferenceSpeculator, SpecShape
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape
 from tests.test_engine import PROMPTS, _greedy_truth, heads  # noqa: F401  (the fixture)
 from tests.test_triton_attention import dense_attention
 from tsengine.attention import paged_attention_torch

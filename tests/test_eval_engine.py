@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 
-from infer import eval as ev
-from infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
+from tsengine.infer import eval as ev
+from tsengine.infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
 from tests.conftest import random_head
 from tsengine.eagle3.format import save_head
 from tsengine.engine import Engine
@@ -148,8 +148,8 @@ def test_oracle_raises_on_a_changed_engine_token(setup, monkeypatch):
 
 
 def test_oracle_near_tie_is_a_warning(setup, monkeypatch):
-    from infer import reference
-    from infer.reference import Agreement
+    from tsengine.infer import reference
+    from tsengine.infer.reference import Agreement
 
     monkeypatch.setattr(reference, "compare_to_greedy", lambda *a: Agreement("near-tie", 7, 3e-6))
     with pytest.warns(ev.EvalWarning, match=r"position 7, a near-tie .*3\.00e-06"):
@@ -199,8 +199,8 @@ def test_cli_bad_shape_syntax_and_backend_are_argparse_errors(setup, capsys):
 
 
 def test_pipeline_eval_is_sized_to_a_quick_run(setup, tmp_path):
-    from train import recipe
-    from train.train_eagle3 import QUICK_EVAL, _eval
+    from tsengine.train import recipe
+    from tsengine.train.train_eagle3 import QUICK_EVAL, _eval
 
     root = tmp_path / "run"
     save_head(setup["head"], root / "export")

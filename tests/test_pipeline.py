@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
 from tests.test_reference import assert_lossless
 from tsengine.eagle3.format import load_head
 from tsengine.targets import encode_prompt, eos_ids

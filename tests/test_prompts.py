@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from train.prompts import CATEGORIES, builtin_prompts, normalize, split, write_jsonl
+from tsengine.train.prompts import CATEGORIES, builtin_prompts, normalize, split, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_write_jsonl_round_trip(tmp_path, prompts):
 
 
 def test_cli(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "train.prompts", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "tsengine.train.prompts", "--out", str(tmp_path)],
                          capture_output=True, text=True, check=True)
     assert "summarization" in res.stdout and "all" in res.stdout
     assert (tmp_path / "train.jsonl").exists() and (tmp_path / "val.jsonl").exists()

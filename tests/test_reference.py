@@ -5,7 +5,7 @@ import zlib
 
 import pytest
 
-from infer.reference import (DraftTree, ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate,
+from tsengine.infer.reference import (DraftTree, ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate,
                              prefix_tree_mask)
 from tests.conftest import random_head
 from tsengine.errors import UserError

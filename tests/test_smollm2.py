@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
 from tests.conftest import random_head
 from tests.test_reference import assert_lossless
 from tsengine.errors import UserError

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
 from tests.test_reference import assert_lossless
 from tsengine.eagle3.format import load_head
 from tsengine.targets import encode_prompt, eos_ids
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.real_model
 def test_demo_sized_recipe_learns_and_exports_a_lossless_head(smollm2, tmp_path):
     from tsengine.demo import DEMO_OVERRIDES, RECIPE
-    from train.train_eagle3 import main
+    from tsengine.train.train_eagle3 import main
 
     assert main(["--recipe", str(RECIPE), "--output-dir", str(tmp_path), *DEMO_OVERRIDES]) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

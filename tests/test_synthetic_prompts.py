@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from train import recipe as recipes
-from train.prompts import CATEGORIES, builtin_prompts, split
-from train.prompts import synthetic as syn
+from tsengine.train import recipe as recipes
+from tsengine.train.prompts import CATEGORIES, builtin_prompts, split
+from tsengine.train.prompts import synthetic as syn
 from tsengine.errors import UserError
 
 
@@ -133,7 +133,7 @@ def test_junk_is_counted_by_reason_and_short_results_reported():
 
 
 def test_only_train_rows_extended_and_cache_reused(tmp_path, monkeypatch):
-    from train.train_eagle3 import _source_splits
+    from tsengine.train.train_eagle3 import _source_splits
 
     made = []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from train.threads import choose
+from tsengine.train.threads import choose
 from tsengine.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -16,7 +16,7 @@ CORES = len(os.sched_getaffinity(0))
 PROBE = """
 import os, sys
 sys.path.insert(0, {repo!r})
-from train.threads import use_machine_cores
+from tsengine.train.threads import use_machine_cores
 print("THREADS", os.environ.get("RANK", "-"), use_machine_cores(), flush=True)
 """
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from tests.test_pipeline import write_rows
-from train import recipe as recipes
-from train.dump_features import dump, finalize
-from train.features import FeatureStore, TargetFeatures
-from train.prepare_data import load_prepared, prepare
-from train.regenerate import Regenerator, read_done
-from train.vocab import build_vocab, load_vocab
+from tsengine.train import recipe as recipes
+from tsengine.train.dump_features import dump, finalize
+from tsengine.train.features import FeatureStore, TargetFeatures
+from tsengine.train.prepare_data import load_prepared, prepare
+from tsengine.train.regenerate import Regenerator, read_done
+from tsengine.train.vocab import build_vocab, load_vocab
 from tsengine.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,7 +113,7 @@ def test_vocab_counts_assistant_tokens_and_keys_on_inputs(tiny_models, tmp_path)
 
 
 def test_tokenizer_digest_ignores_padding_state(tiny_models):
-    from train.stages import tokenizer_digest
+    from tsengine.train.stages import tokenizer_digest
 
     _, tok = tiny_models["llama"]
     tok = type(tok).from_pretrained(tok.name_or_path)
@@ -126,7 +126,7 @@ def test_tokenizer_digest_ignores_padding_state(tiny_models):
 
 
 def test_small_user_data_still_gets_a_validation_row(tmp_path):
-    from train.train_eagle3 import _source_splits
+    from tsengine.train.train_eagle3 import _source_splits
 
     src = write_rows(tmp_path / "three.jsonl", 3, 9, with_answers=True)
     r = recipes.load(None, ["target=x", f"data.source={src}"])
@@ -180,7 +180,7 @@ def test_export_refuses_incomplete_or_mismatched_checkpoints(tiny_dirs, tiny_mod
     from safetensors.torch import save_file
 
     from tests.conftest import random_head
-    from train.export import export_checkpoint
+    from tsengine.train.export import export_checkpoint
 
     model, _ = tiny_models["llama"]
     head = random_head(model, seed=1, draft_vocab_size=100)

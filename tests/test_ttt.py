@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tests.conftest import random_head
-from train.loss import naive_step_loss, step_loss, teacher, valid_positions
-from train.ttt import naive_unroll, ttt_mask, unroll
+from tsengine.train.loss import naive_step_loss, step_loss, teacher, valid_positions
+from tsengine.train.ttt import naive_unroll, ttt_mask, unroll
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_invalid_positions_do_not_count(setup):
 
 
 def test_fc_scaling_tames_massive_channels_only():
-    from train.fc_init import sample_aux, scale_fc_columns
+    from tsengine.train.fc_init import sample_aux, scale_fc_columns
 
     torch.manual_seed(5)
     aux = torch.randn(300, 12)

@@ -1,7 +1,7 @@
-"""`python -m train --recipe ...` is `train/train_eagle3.py --recipe ...`."""
+"""`python -m tsengine.train --recipe ...` is `train/train_eagle3.py --recipe ...`."""
 
 import sys
 
-from train.train_eagle3 import main
+from tsengine.train.train_eagle3 import main
 
 sys.exit(main())

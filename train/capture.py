@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from train.stages import StageDir, digest, is_done, tokenizer_digest
+from tsengine.train.stages import StageDir, digest, is_done, tokenizer_digest
 
 
 def capture_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: tuple[int, ...],
@@ -34,8 +34,8 @@ def regenerate_share(r, tok, rows: list[dict], split: str, root: Path, layer_ids
     """Regenerate+capture this rank's share of the rows not done yet: rows[rank::world] (fixed by position,
     so ranks never share a row, whatever another rank has finished), into its own shard files. Every rank
     on its own device; rank 0 indexes them all afterwards (`finalize_split`)."""
-    from train.features import ShardWriter, sidecars
-    from train.regen_engine import CAPTURE_SHARD_TOKENS, EngineRegenerator
+    from tsengine.train.features import ShardWriter, sidecars
+    from tsengine.train.regen_engine import CAPTURE_SHARD_TOKENS, EngineRegenerator
     from tsengine.targets import resolve
 
     out, key = root / "capture" / split, _key(r, tok, layer_ids)
@@ -57,7 +57,7 @@ def regenerate_share(r, tok, rows: list[dict], split: str, root: Path, layer_ids
 
 def finalize_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: tuple[int, ...]) -> tuple[Path, Path]:
     """The prepared dataset and the store index over every rank's shards, for `rows` in their order."""
-    from train.features import sidecars
+    from tsengine.train.features import sidecars
 
     key = _key(r, tok, layer_ids)
     return _finalize(root / "capture" / split, sidecars(root / "capture" / split, key), [x["id"] for x in rows],
@@ -67,7 +67,7 @@ def finalize_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: 
 def _key(r, tok, layer_ids: tuple[int, ...]) -> str:
     """What decides a row's prompt text and answer; not batch_size (the engine's draws are keyed by row
     id) nor samples_per_prompt/include_greedy (they decide which rows exist, and each keeps its own id)."""
-    from train.prompts.synthetic import VERSION
+    from tsengine.train.prompts.synthetic import VERSION
 
     d = r.data
     # a target-written prompt's text depends on its id and the generator's version, not on how many were
@@ -91,7 +91,7 @@ def _finalize(out: Path, shards: list[dict], wanted: list[str], root: Path, spli
     has no shard entry), plus data/used/<split>.jsonl: the messages, which the eval reads prompts from."""
     import datasets
 
-    from train.features import INDEX
+    from tsengine.train.features import INDEX
 
     where = {ex: (m, i) for m in shards for i, ex in enumerate(m["examples"])}
     keep = [rid for rid in wanted if rid in where]

@@ -1,6 +1,6 @@
 """Stage (offline features): run the frozen target once over the prepared data and store its features.
 
-    accelerate launch -m train.dump_features --target smollm2-135m --data prepared/train --out features/train
+    accelerate launch -m tsengine.train.dump_features --target smollm2-135m --data prepared/train --out features/train
 
 Data-parallel: rank r takes examples r, r+world, ... Each shard (safetensors: aux, final, argmax, with
 the sequences concatenated) is written atomically next to a small JSON naming its examples, offsets and
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from train.features import DTYPES, INDEX, ShardWriter, TargetFeatures, sidecars
-from train.stages import MARKER, digest, is_done, read_marker
+from tsengine.train.features import DTYPES, INDEX, ShardWriter, TargetFeatures, sidecars
+from tsengine.train.stages import MARKER, digest, is_done, read_marker
 from tsengine.errors import UserError, run_main
 
 def dump(model, dataset, layer_ids, out: str | Path, key: str, dtype: str = "float32", batch_tokens: int = 8192,
@@ -96,11 +96,11 @@ def run(model, dataset, prepared: Path, layer_ids, out: Path, dtype: str, batch_
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
+    from tsengine.train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
     use_machine_cores()
-    p = argparse.ArgumentParser(prog="accelerate launch -m train.dump_features", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="accelerate launch -m tsengine.train.dump_features", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--data", required=True, help="prepared data directory (python -m train.prepare_data)")
+    p.add_argument("--data", required=True, help="prepared data directory (python -m tsengine.train.prepare_data)")
     p.add_argument("--out", required=True)
     p.add_argument("--aux-layer-ids", help="three layer ids, e.g. 1,14,26 (default: EAGLE-3's low/mid/high)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from accelerate import PartialState
 
-        from train.prepare_data import load_prepared
+        from tsengine.train.prepare_data import load_prepared
         from tsengine.eagle3.config import default_aux_layer_ids
         from tsengine.targets import load_target
 

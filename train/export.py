@@ -25,7 +25,7 @@ def find_checkpoint(path: str | Path) -> Path:
     if not p.is_dir():
         raise UserError(f"checkpoint {path}: no such directory")
     if (p / "checkpoints").is_dir():
-        from train.trainer import latest_checkpoint
+        from tsengine.train.trainer import latest_checkpoint
 
         latest = latest_checkpoint(p / "checkpoints")
         if latest is None:

@@ -1,6 +1,6 @@
 """Target features for training: the three aux hidden states, the final hidden state, the argmax.
 
-Online, the frozen target runs inside the training step. Offline, `train.dump_features` runs it once and
+Online, the frozen target runs inside the training step. Offline, `tsengine.train.dump_features` runs it once and
 writes sharded safetensors; training then reads the same tensors back. Both paths produce features with
 `TargetFeatures`, so offline training equals online training bit for bit when stored in the target's dtype.
 
@@ -137,7 +137,7 @@ class FeatureStore:
         try:
             index = json.loads((self.root / INDEX).read_text())
         except (OSError, ValueError):
-            raise UserError(f"features {root}: no readable {INDEX} (run accelerate launch -m train.dump_features)") from None
+            raise UserError(f"features {root}: no readable {INDEX} (run accelerate launch -m tsengine.train.dump_features)") from None
         self.meta = index
         self.where: dict[int, tuple[str, int, int]] = {}
         self.sha = {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from train.ttt import shift
+from tsengine.train.ttt import shift
 
 
 @dataclass

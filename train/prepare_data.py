@@ -1,6 +1,6 @@
 """Stage: chat rows -> tokenized examples (input_ids + assistant-only loss_mask), saved with `datasets`.
 
-    python -m train.prepare_data --target smollm2-135m --data regen.jsonl --out prepared/train
+    python -m tsengine.train.prepare_data --target smollm2-135m --data regen.jsonl --out prepared/train
 
 The output is an Arrow dataset (`save_to_disk`), memory-mapped by the trainer and the feature dump, with
 a stage marker whose key covers the input file, the tokenizer and max_length (stale data is never reused).
@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from train.data import build, load_rows
-from train.stages import StageDir, digest, is_done, tokenizer_digest
+from tsengine.train.data import build, load_rows
+from tsengine.train.stages import StageDir, digest, is_done, tokenizer_digest
 from tsengine.errors import UserError, run_main
 
 
@@ -50,12 +50,12 @@ def load_prepared(path: str | Path):
 
     p = Path(path) / "data"
     if not p.exists():
-        raise UserError(f"prepared data {path}: missing (run python -m train.prepare_data first)")
+        raise UserError(f"prepared data {path}: missing (run python -m tsengine.train.prepare_data first)")
     return datasets.load_from_disk(str(p)).with_format("python")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.prepare_data", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tsengine.train.prepare_data", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="tokenizer source: HF dir, embedded name or hub id")
     p.add_argument("--data", required=True, help="JSON/JSONL/Parquet file or directory, or a hub dataset")
     p.add_argument("--out", required=True)

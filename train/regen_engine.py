@@ -27,8 +27,8 @@ from typing import Any, Iterable
 
 from tqdm import tqdm
 
-from train.data import Skipped, captured_example, normalize, render
-from train.regenerate import read_done, row_id
+from tsengine.train.data import Skipped, captured_example, normalize, render
+from tsengine.train.regenerate import read_done, row_id
 
 CAPTURE_SHARD_TOKENS = 32768  # small shards: a killed run loses at most this much generation
 

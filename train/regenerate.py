@@ -8,7 +8,7 @@ features captured in the same forward) and, for architectures the engine does no
 `generate` with left padding (`Regenerator` here). Rows are appended to a JSONL file as they finish, so a
 restart skips every id already written.
 
-    python -m train.regenerate --target smollm2-135m --data prompts.jsonl --out regen.jsonl [--backend hf]
+    python -m tsengine.train.regenerate --target smollm2-135m --data prompts.jsonl --out regen.jsonl [--backend hf]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import torch
 from tqdm import tqdm
 
-from train.data import Skipped, load_rows, normalize
+from tsengine.train.data import Skipped, load_rows, normalize
 from tsengine.errors import UserError, run_main
 
 
@@ -173,9 +173,9 @@ class Regenerator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
+    from tsengine.train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
     use_machine_cores()
-    p = argparse.ArgumentParser(prog="python -m train.regenerate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tsengine.train.regenerate", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="HF directory, embedded name (smollm2-135m) or hub id")
     p.add_argument("--data", required=True, help="JSON/JSONL/Parquet rows (messages or conversations)")
     p.add_argument("--out", required=True, help="output JSONL (appended; finished ids are skipped)")
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.backend == "engine":
             from transformers import AutoTokenizer
 
-            from train.regen_engine import EngineRegenerator
+            from tsengine.train.regen_engine import EngineRegenerator
 
             path = str(resolve(args.target))
             regen = EngineRegenerator(path, AutoTokenizer.from_pretrained(path), args.batch_size, args.max_new_tokens,

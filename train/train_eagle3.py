@@ -18,11 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python train/train_eagle3.py`: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from train import recipe as recipes  # noqa: E402
-from tsengine.errors import UserError, run_main  # noqa: E402
+from tsengine.train import recipe as recipes
+from tsengine.errors import UserError, run_main
 
 
 def _source_splits(r, root: Path) -> tuple[list, list]:
@@ -32,19 +29,19 @@ def _source_splits(r, root: Path) -> tuple[list, list]:
     (`data.synthetic_prompts`) come on top of it, all of them, as many as the user asked for."""
     import hashlib
 
-    from train.data import load_rows
-    from train.regenerate import row_id
+    from tsengine.train.data import load_rows
+    from tsengine.train.regenerate import row_id
 
     def rows_of(source: str, split: str) -> list:
         return [{**row, "id": row_id(row, i)} for i, row in enumerate(load_rows(source, split))]
 
     if r.data.source == "builtin":
-        from train.prompts import synthetic, write_jsonl
+        from tsengine.train.prompts import synthetic, write_jsonl
 
         paths = write_jsonl(root / "data" / "prompts")
         train = _subset(rows_of(str(paths[0]), "train"), r.data.max_samples, r.seed)
         return synthetic.add_synthetic(train, r, root), rows_of(str(paths[1]), "train")
-    from train.prompts.synthetic import require_builtin
+    from tsengine.train.prompts.synthetic import require_builtin
 
     require_builtin(r)  # target-written prompts are seeded by the built-in categories
     rows = rows_of(r.data.source, r.data.split)
@@ -64,7 +61,7 @@ def _answer_rows(r, rows: list, split: str, limit: int | None) -> list:
     """The prompts this run uses (a seeded subset when limited) as answer rows: several per prompt with
     regen.samples_per_prompt / include_greedy on the train split; validation keeps one answer per prompt
     (greedy unless only samples are asked for) so that val numbers stay comparable across recipes."""
-    from train.regenerate import answer_rows
+    from tsengine.train.regenerate import answer_rows
 
     g = r.regen
     rows = _subset(rows, limit, r.seed)
@@ -100,8 +97,8 @@ def _used(r, model, tok, rows: list, split: str, root: Path, limit: int | None) 
 def _regenerate(r, model, tok, rows: list, out: Path) -> None:
     """Answers are cached by row id across runs: a larger max_samples only adds rows; other
     regeneration settings (or another source) start over."""
-    from train.regenerate import Regenerator
-    from train.stages import tokenizer_digest
+    from tsengine.train.regenerate import Regenerator
+    from tsengine.train.stages import tokenizer_digest
 
     # what decides an answer: the engine keys its draws by row id, so its batch size does not count
     settings = {"source": r.data.source, "target": r.target, "tokenizer": tokenizer_digest(tok),
@@ -112,12 +109,12 @@ def _regenerate(r, model, tok, rows: list, out: Path) -> None:
         out.unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     side.write_text(json.dumps(settings))
-    from train.capture import log_wall
-    from train.data import Skipped
+    from tsengine.train.capture import log_wall
+    from tsengine.train.data import Skipped
 
     g, t0, skipped, tokens = r.regen, time.time(), Skipped(), None  # HF's count is not tracked
     if g.backend == "engine":
-        from train.regen_engine import EngineRegenerator
+        from tsengine.train.regen_engine import EngineRegenerator
         from tsengine.targets import resolve
 
         regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed,
@@ -173,7 +170,7 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
     layers = cfg.aux_layer_ids
     sharded = _captures(r) and state.num_processes > 1
     if sharded:  # every rank regenerates and captures its share, on its own device
-        from train.capture import regenerate_share
+        from tsengine.train.capture import regenerate_share
 
         with state.main_process_first():  # rank 0 writes the prompt files (and target-written prompts)
             splits = dict(zip(("train", "val"), _source_splits(r, root)))
@@ -183,9 +180,9 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
         state.wait_for_everyone()
     with state.main_process_first():
         if state.is_main_process:
-            from train.capture import capture_split, finalize_split
-            from train.prepare_data import prepare
-            from train.vocab import build_vocab
+            from tsengine.train.capture import capture_split, finalize_split
+            from tsengine.train.prepare_data import prepare
+            from tsengine.train.vocab import build_vocab
 
             splits = dict(zip(("train", "val"), _source_splits(r, root)))
             for split, rows in splits.items():
@@ -198,8 +195,8 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
             vocab_dir = build_vocab(tok, prepared["train"], model.config.vocab_size, r.vocab.draft_vocab_size,
                                     root / "vocab")
             (root / "vocab" / "current").write_text(str(vocab_dir))
-    from train.prepare_data import load_prepared
-    from train.vocab import load_vocab
+    from tsengine.train.prepare_data import load_prepared
+    from tsengine.train.vocab import load_vocab
 
     prepared = {s: root / "data" / "prepared" / s for s in ("train", "val")}
     vocab_dir = Path((root / "vocab" / "current").read_text())
@@ -213,8 +210,8 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
         head.init_from_target(model)
     stores = {"train": None, "val": None}
     if r.features.mode == "offline":
-        from train import dump_features
-        from train.features import FeatureStore
+        from tsengine.train import dump_features
+        from tsengine.train.features import FeatureStore
 
         for s in ("train", "val"):
             out = root / "features" / s
@@ -227,7 +224,7 @@ def run(r, dry_run: bool = False, user_sized: bool = False) -> dict:
         report["feature_bytes_per_token"] = stores["train"].meta["bytes_per_token"]
     if r.head.fc_init == "scaled":
         _scale_fc(head, model, data["train"], stores["train"])
-    from train.trainer import Trainer
+    from tsengine.train.trainer import Trainer
 
     trainer = Trainer(r, head, model, data["train"], data["val"], stores["train"], stores["val"])
     resumed = trainer.resume()
@@ -257,8 +254,8 @@ def _eval(r, model, tok, root: Path, user_sized: bool = False) -> dict:
     A quick run (train.max_steps set) gets a quick eval: at most QUICK_EVAL prompts and new tokens, whatever
     the recipe file says (its head is a smoke test), unless `user_sized`: eval.num_prompts or
     eval.max_new_tokens given on the command line are the user's choice and are kept. The recipe's full
-    eval of such a head is one `python -m infer.eval` away (printed)."""
-    from infer.eval import measure, prompts_from, raise_on_mismatch, table
+    eval of such a head is one `python -m tsengine.infer.eval` away (printed)."""
+    from tsengine.infer.eval import measure, prompts_from, raise_on_mismatch, table
     from tsengine.eagle3.format import load_head
     from tsengine.targets import resolve
 
@@ -271,7 +268,7 @@ def _eval(r, model, tok, root: Path, user_sized: bool = False) -> dict:
         num, new = min(num, QUICK_EVAL[0]), min(new, QUICK_EVAL[1])
         (s, k, n), tree = e.chain, (" --tree {},{},{}".format(*e.tree) if e.tree else "")
         print(f"eval: quick run (train.max_steps={r.train.max_steps}): {num} prompts x {new} new tokens; the "
-              f"recipe's eval: python -m infer.eval --target {r.target} --draft {root / 'export'} --prompts "
+              f"recipe's eval: python -m tsengine.infer.eval --target {r.target} --draft {root / 'export'} --prompts "
               f"{val_rows} --steps {s} --topk {k} --num-draft-tokens {n}{tree} --num-prompts {e.num_prompts} "
               f"--max-new-tokens {e.max_new_tokens} --backend {e.backend}")
 
@@ -301,8 +298,8 @@ def _scale_fc(head, model, data, store) -> None:
     """fc columns scaled from a sample of target features (train/fc_init.py); same on every rank."""
     import torch
 
-    from train.fc_init import sample_aux, scale_fc_columns
-    from train.features import TargetFeatures
+    from tsengine.train.fc_init import sample_aux, scale_fc_columns
+    from tsengine.train.features import TargetFeatures
 
     feats = TargetFeatures(model, head.config.aux_layer_ids)
 
@@ -370,7 +367,7 @@ def _param_counts(cfg) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
+    from tsengine.train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
     use_machine_cores()
     p = argparse.ArgumentParser(prog="train_eagle3.py", description=__doc__.splitlines()[0])
     p.add_argument("--recipe", required=True, help="YAML recipe (recipes/*.yaml)")

@@ -22,10 +22,10 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from train.features import Features, FeatureStore, TargetFeatures, lm_head_weight
-from train.loss import step_loss, teacher, valid_positions
-from train.recipe import Recipe
-from train.ttt import unroll
+from tsengine.train.features import Features, FeatureStore, TargetFeatures, lm_head_weight
+from tsengine.train.loss import step_loss, teacher, valid_positions
+from tsengine.train.recipe import Recipe
+from tsengine.train.ttt import unroll
 from tsengine.eagle3.head import Eagle3Head
 
 COMPLETE = "COMPLETE"
@@ -231,7 +231,7 @@ class Trainer:
         self.model, self.opt = self.acc.prepare(model, opt)
         self.acc.unwrap_model(self.model).head.reset_rope()  # DeepSpeed bf16 casts buffers; RoPE stays fp32
         self.acc.register_for_checkpointing(self.sched)
-        from train.stages import digest
+        from tsengine.train.stages import digest
 
         self.state = State(recipe_key=digest(recipe.train.model_dump(mode="json", exclude={
             "checkpoint_every", "keep_checkpoints", "eval_every", "log_every"}), recipe.seed, len(self.lengths),

@@ -1,6 +1,6 @@
 """Stage: the draft vocabulary, the N most frequent assistant tokens of the training data.
 
-    python -m train.vocab --data prepared/train --target smollm2-135m --draft-vocab-size 32000 --out vocab/
+    python -m tsengine.train.vocab --data prepared/train --target smollm2-135m --draft-vocab-size 32000 --out vocab/
 
 Counting only loss-masked tokens matches what the head is asked to predict. The result is cached under a
 key of (tokenizer, dataset fingerprint, N) in `out/<key>/`, so a different dataset or tokenizer never
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from train.stages import StageDir, digest, is_done, read_marker, tokenizer_digest
+from tsengine.train.stages import StageDir, digest, is_done, read_marker, tokenizer_digest
 from tsengine.eagle3.vocab import vocab_map
 from tsengine.errors import UserError, run_main
 
@@ -32,11 +32,11 @@ def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
 def build_vocab(tok, prepared: Path, vocab_size: int, draft_vocab_size: int, out_root: Path,
                 quiet: bool = False) -> Path:
     """Directory holding vocab.safetensors (d2t, t2d, counts) for these inputs; built once."""
-    from train.prepare_data import load_prepared
+    from tsengine.train.prepare_data import load_prepared
 
     marker = read_marker(prepared)
     if marker is None:
-        raise UserError(f"prepared data {prepared}: no stage marker (run python -m train.prepare_data)")
+        raise UserError(f"prepared data {prepared}: no stage marker (run python -m tsengine.train.prepare_data)")
     key = digest(tokenizer_digest(tok), marker["key"], vocab_size, draft_vocab_size)
     out = Path(out_root) / key
     if is_done(out, key):
@@ -60,8 +60,8 @@ def load_vocab(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m train.vocab", description=__doc__.splitlines()[0])
-    p.add_argument("--data", required=True, help="prepared data directory (python -m train.prepare_data)")
+    p = argparse.ArgumentParser(prog="python -m tsengine.train.vocab", description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="prepared data directory (python -m tsengine.train.prepare_data)")
     p.add_argument("--target", required=True)
     p.add_argument("--draft-vocab-size", type=int, default=32000)
     p.add_argument("--out", required=True, help="cache root; the mapping lands in OUT/<key>/")

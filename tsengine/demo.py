@@ -37,7 +37,7 @@ def main() -> int:
         head = full
         print(f"draft head: {head} (trained by the full recipe)\n")
     else:
-        from train.train_eagle3 import main as train
+        from tsengine.train.train_eagle3 import main as train
 
         run = cache_root() / "runs" / "smollm2-135m-demo"
         print(f"=== distilling a demo head: {RECIPE.name} + {' '.join(DEMO_OVERRIDES)} -> {run} ===")
@@ -46,7 +46,7 @@ def main() -> int:
         head = run / "export"
         print(f"\ndraft head: {head} (demo-sized training; `make train` runs the full recipe)\n")
     rc = engine_demo(target, head)
-    from infer.generate import main as generate
+    from tsengine.infer.generate import main as generate
 
     print("=== reference speculative decoding, tree: 5 steps, top-8, 32 nodes ===")
     rc |= generate(["--target", str(target), "--draft", str(head), "--prompt", PROMPT, "--max-new-tokens", "48",

@@ -20,7 +20,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    # tokens committed by each verify step, bonus included, cut at a stop (infer.reference's accept_lengths):
+    # tokens committed by each verify step, bonus included, cut at a stop (tsengine.infer.reference's accept_lengths):
     # kept per sample, not per request, because n > 1 samples verify independently
     spec_accept_lengths: list[int] = field(default_factory=list)
 

@@ -22,8 +22,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from train.prompts import procedural
-from train.prompts import topics as T
+from tsengine.train.prompts import procedural
+from tsengine.train.prompts import topics as T
 
 SEED = 20240611
 
@@ -189,7 +189,7 @@ def _write_atomic(path: Path, rows: list[dict]) -> None:
 
 
 def write_jsonl(out_dir: str | os.PathLike, val_fraction: float = 0.05) -> tuple[Path, Path]:
-    """Materialise the split as train.jsonl / val.jsonl, the shape `train.data` already reads."""
+    """Materialise the split as train.jsonl / val.jsonl, the shape `tsengine.train.data` already reads."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, val = split(builtin_prompts(), val_fraction)

@@ -1,4 +1,4 @@
-"""`python -m train.prompts --out DIR`: write the built-in collection so training can point at plain files."""
+"""`python -m tsengine.train.prompts --out DIR`: write the built-in collection so training can point at plain files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import json
 from collections import Counter
 
-from train.prompts import CATEGORIES, write_jsonl
+from tsengine.train.prompts import CATEGORIES, write_jsonl
 
 
 def _count(path) -> Counter:
@@ -15,7 +15,7 @@ def _count(path) -> Counter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.prompts", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m tsengine.train.prompts", description=__doc__)
     ap.add_argument("--out", required=True, help="directory for train.jsonl and val.jsonl (created if missing)")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="share of each category held out")
     args = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """Extra training prompts written by the target itself (recipe `data.synthetic_prompts: N`).
 
-    python -m train.prompts.synthetic --target smollm2-135m --n 40 --out FILE [--seed S]
+    python -m tsengine.train.prompts.synthetic --target smollm2-135m --n 40 --out FILE [--seed S]
 
 The built-in collection is templated, so its phrasing repeats; a head trained only on it sees few ways of
 asking. The target can vary that phrasing cheaply: shown a few built-in prompts of one category as earlier
@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from train.prompts import CATEGORIES, builtin_prompts, split
+from tsengine.train.prompts import CATEGORIES, builtin_prompts, split
 from tsengine.errors import UserError, run_main
 
 VERSION = 2  # bump whenever the instruction or a filter changes: cached results are keyed by it
@@ -314,7 +314,7 @@ def add_synthetic(rows: list[dict], r, root: Path, llm=None, log=print) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.prompts.synthetic", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tsengine.train.prompts.synthetic", description=__doc__.splitlines()[0])
     ap.add_argument("--target", required=True, help="model directory or embedded name (smollm2-135m)")
     ap.add_argument("--n", type=int, required=True, help="prompts wanted")
     ap.add_argument("--seed", type=int, default=0)
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".report.json").write_text(json.dumps(report, indent=1))
         print(json.dumps(report, indent=1))
 
-    return run_main("train.prompts.synthetic", body)
+    return run_main("tsengine.train.prompts.synthetic", body)
 
 
 if __name__ == "__main__":
