@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m tsengine.demo
+	$(PY) -m tsengine.train.demo
 
 # The full SmolLM2 recipe (prompts -> regeneration -> vocab -> features -> training -> export -> eval),
 # ~1 h on 2 CPU cores; the head lands in runs/smollm2-135m/export and `make demo` then uses it.

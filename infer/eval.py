@@ -52,7 +52,7 @@ class EvalWarning(UserWarning):
 
 
 def prompts_from(path: str, tok, limit: int | None) -> list[tuple[str, list[int]]]:
-    from tsengine.train.data import load_rows, normalize
+    from tsengine.conversations import load_rows, normalize
 
     out = []
     for i, row in enumerate(load_rows(path)):
@@ -232,15 +232,9 @@ def measure(backend: str, prompts, shapes, max_new_tokens: int, *, target: str, 
 
 def engine_refusal(shape: tuple[int, int, int]) -> str | None:
     """Why the engine will not run `shape` (tsengine.config's rules), or None."""
-    from tsengine.config import SpeculativeConfig
+    from tsengine.config import tree_shape_problems
 
-    s, k, n = shape
-    try:
-        SpeculativeConfig.resolve(algorithm="EAGLE3", draft_model_path="-", num_steps=s, eagle_topk=k,
-                                  num_draft_tokens=n)
-    except UserError as e:
-        return "; ".join(line.strip(" -") for line in str(e).splitlines()[1:]) or str(e)
-    return None
+    return "; ".join(tree_shape_problems(*shape)) or None
 
 
 def table(results: dict) -> str:

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tsengine.config import tree_shape_problems
 from tsengine.eagle3.head import Eagle3Head, aux_hidden_states
 from tsengine.errors import UserError, fail_if
 
@@ -34,21 +35,11 @@ class SpecShape:
     num_draft_tokens: int = 4
 
     def check(self, draft_vocab_size: int | None = None) -> "SpecShape":
-        s, k, n = self.steps, self.topk, self.num_draft_tokens
-        problems = []
-        if s < 1:
-            problems.append(f"steps is {s}; must be >= 1")
-        if k < 1:
-            problems.append(f"topk is {k}; must be >= 1")
-        if n < 2:
-            problems.append(f"num_draft_tokens is {n}; must be >= 2 (the root plus at least one draft token)")
-        if not problems and k == 1 and n != s + 1:
-            problems.append(f"num_draft_tokens is {n}; a chain (topk 1) needs num_draft_tokens = steps + 1 = {s + 1}")
-        if not problems and n - 1 > k + (s - 1) * k * k:
-            problems.append(f"num_draft_tokens {n} exceeds what {s} steps of top-{k} can draft: "
-                            f"1 + K + (S-1)*K^2 = {1 + k + (s - 1) * k * k}")
-        if draft_vocab_size is not None and k > draft_vocab_size:
-            problems.append(f"topk {k} exceeds the draft vocab size {draft_vocab_size}")
+        """The engine's shape rules without its limits (lanes, N <= 64, S and K ranges): the oracle must
+        also measure shapes the engine refuses."""
+        problems = tree_shape_problems(self.steps, self.topk, self.num_draft_tokens,
+                                       names=("steps", "topk", "num_draft_tokens"), engine_limits=False,
+                                       draft_vocab_size=draft_vocab_size)
         fail_if(problems, "invalid speculative shape")
         return self
 

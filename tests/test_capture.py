@@ -193,7 +193,8 @@ def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_mode
     from tsengine.train import dump_features
     from tsengine.train.capture import _finalize
     from tsengine.train.prepare_data import load_prepared
-    from tsengine.train.trainer import TTTModel, collate
+    from tsengine.train.batching import collate
+    from tsengine.train.trainer import TTTModel
     from tests.conftest import random_head
 
     model, tok = tiny_models["llama"]

@@ -3,6 +3,7 @@ drafter — in mixed batches, with chunked prefill and under preemption (docs/de
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import warnings
@@ -44,20 +45,20 @@ class OracleDrafts:
 
     def __init__(self, engine, truth: dict[tuple, list[int]], seed=0):
         self.engine, self.truth, self.rng = engine, truth, random.Random(seed)
-        self.inner = engine._draft
-        engine._draft = self
+        self.inner, engine.proposer = engine.proposer, self
 
-    def __call__(self, *args):
-        self.inner(*args)
-        for seq in self.engine.scheduler.running:
-            if seq.drafts is None:
-                continue
-            cont = self.truth[tuple(seq.tokens[:seq.prompt_len])][seq.num_output:]
-            s = seq.drafts.numel()
-            good = self.rng.randint(0, s)
-            d = (cont + [0] * s)[:s]
-            d = d[:good] + [(t + 1) % 256 for t in d[good:]]
-            seq.drafts = torch.tensor(d, dtype=torch.long)
+    def propose(self, proposal):
+        out = []
+        for seq, drafts in zip(proposal.drafting, self.inner.propose(proposal)):
+            if drafts is not None:
+                cont = self.truth[tuple(seq.tokens[:seq.prompt_len])][seq.num_output:]
+                s = drafts.tokens.numel()
+                good = self.rng.randint(0, s)
+                d = (cont + [0] * s)[:s]
+                d = d[:good] + [(t + 1) % 256 for t in d[good:]]
+                drafts = dataclasses.replace(drafts, tokens=torch.tensor(d, dtype=torch.long))
+            out.append(drafts)
+        return out
 
 
 # ---- the model runner ----------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def test_engine_drafts_equal_the_reference_drafter(tiny_dirs, tiny_models, heads
         seq = e.requests["r"]
         with torch.no_grad():
             feats = ref._target(seq.tokens[:-1])[1]
-        assert seq.drafts.tolist() == ref.draft(seq.tokens, feats).tokens, f"chunk budget {budget}"
+        assert seq.drafts.tokens.tolist() == ref.draft(seq.tokens, feats).tokens, f"chunk budget {budget}"
 
 
 # ---- scheduler under pressure ------------------------------------------------------------------------------

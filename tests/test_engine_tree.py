@@ -4,6 +4,7 @@ windows, and the validation / support errors (docs/design/tree-speculation.md)."
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
@@ -34,39 +35,41 @@ def make_llm(tiny_dirs, kind="llama", head=None, shape=(3, 2, 6), **kw):
 
 
 class OracleTreeDrafts:
-    """Keep the drafted tree's shape, but put the known continuation on the path to one random node (any
-    depth, anywhere in depth-first order) and wrong, distinct tokens everywhere else. Every accept length
+    """Keep the drafted tree's shape, but put the known continuation on the path to one random node (a
+    random depth, any node of it) and wrong, distinct tokens everywhere else. Every accept length
     occurs, and accepted paths off the first-child line exercise the KV move."""
 
     def __init__(self, engine, truth: dict[tuple, list[int]], seed=0, vocab=256):
         self.engine, self.truth, self.rng, self.vocab = engine, truth, random.Random(seed), vocab
-        self.inner, self.moved = engine._draft, 0
-        engine._draft = self
-        inner_move = engine._move_paths
+        self.inner, self.moved = engine.proposer, 0
+        engine.proposer = self
+        inner_move = engine.verifier.move_accepted
 
         def count(moves):
             self.moved += len(moves)
             inner_move(moves)
-        engine._move_paths = count
+        engine.verifier.move_accepted = count
 
-    def __call__(self, *args):
-        self.inner(*args)
-        for seq in self.engine.scheduler.running:
-            if seq.drafts is None:
-                continue
-            parents, depths = seq.tree[0].tolist(), seq.tree[1].tolist()
-            cont = self.truth[tuple(seq.tokens[:seq.prompt_len])][seq.num_output:] + [0] * 16
-            target = self.rng.randrange(len(parents))  # 0: nothing on the path is right
-            path = set()
-            node = target
-            while node:
-                path.add(node)
-                node = parents[node]
-            tokens = []
-            for i in range(1, len(parents)):
-                right = cont[depths[i] - 1]
-                tokens.append(right if i in path else (right + 1 + i) % self.vocab)
-            seq.drafts = torch.tensor(tokens, dtype=torch.long)
+    def propose(self, proposal):
+        return [self._oracle(seq, d) for seq, d in zip(proposal.drafting, self.inner.propose(proposal))]
+
+    def _oracle(self, seq, drafts):
+        if drafts is None:
+            return None
+        parents, depths = drafts.tree.parents.tolist(), drafts.tree.depths.tolist()
+        cont = self.truth[tuple(seq.tokens[:seq.prompt_len])][seq.num_output:] + [0] * 16
+        depth = self.rng.randint(0, max(depths))  # every depth equally likely (deep nodes are few)
+        target = self.rng.choice([i for i, d in enumerate(depths) if d == depth])  # 0: nothing on the path is right
+        path = set()
+        node = target
+        while node:
+            path.add(node)
+            node = parents[node]
+        tokens = []
+        for i in range(1, len(parents)):
+            right = cont[depths[i] - 1]
+            tokens.append(right if i in path else (right + 1 + i) % self.vocab)
+        return dataclasses.replace(drafts, tokens=torch.tensor(tokens, dtype=torch.long))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -122,9 +125,9 @@ def test_engine_tree_equals_the_reference_drafter(tiny_dirs, tiny_models, heads,
             with torch.no_grad():
                 feats = ref._target(seq.tokens[:-1])[1]
             want = ref.draft(seq.tokens, feats)
-            assert seq.drafts.tolist() == want.tokens, f"budget {budget}"
-            assert seq.tree[0].tolist() == [0] + [p + 1 for p in want.parents]
-            assert seq.tree[1].tolist() == [0] + want.depths
+            assert seq.drafts.tokens.tolist() == want.tokens, f"budget {budget}"
+            assert seq.drafts.tree.parents.tolist() == [0] + [p + 1 for p in want.parents]
+            assert seq.drafts.tree.depths.tolist() == [0] + want.depths
             e.step()
 
 
@@ -285,7 +288,7 @@ def test_tree_greedy_on_the_triton_backend(tiny_dirs, heads):  # noqa: F811
 def test_default_kv_cache_holds_every_request_to_the_last_token(tiny_dirs, heads, shape):  # noqa: F811
     """The default CPU cache is sized for max_num_seqs requests at max_model_len with speculation's own
     positions (a verify window at the last allowed token plus the drafter's reserve,
-    `runner.positions_per_request`): requests running together to the last token are never preempted. A
+    `startup.positions_per_request`): requests running together to the last token are never preempted. A
     preemption would commit a token outside a verify step, and the engine eval's τ would not be the
     reference's (it was, for a (3, 2, 6) tree)."""
     new, prompts = 30, [PROMPTS[0]] * 3  # equal lengths: all three reach the last position together

@@ -4,6 +4,7 @@ verdicts, the CLI's refusals, and the training pipeline's quick-run sizing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import warnings
@@ -15,7 +16,7 @@ from tsengine.infer import eval as ev
 from tsengine.infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
 from tests.conftest import random_head
 from tsengine.eagle3.format import save_head
-from tsengine.engine import Engine
+from tsengine.spec.eagle3 import Eagle3Proposer
 from tsengine.targets import eos_ids
 
 SHAPES = [(3, 1, 4), (3, 2, 6)]  # a chain and a tree
@@ -90,15 +91,14 @@ def test_accounting_with_every_accept_length(setup, monkeypatch):
         p = next(tuple(ids) for _, ids in prompts if tuple(tokens[:len(ids)]) == tuple(ids))
         return DraftTree(drafts(p, len(tokens) - len(p)), list(range(-1, s - 1)))
 
-    inner = Engine._draft
+    inner = Eagle3Proposer.propose
 
-    def engine_draft(self, *args):
-        inner(self, *args)
-        for seq in self.scheduler.running:
-            if seq.drafts is not None:
-                seq.drafts = torch.tensor(drafts(tuple(seq.tokens[:seq.prompt_len]), seq.num_output))
+    def oracle_propose(self, proposal):
+        return [None if d is None else dataclasses.replace(
+                    d, tokens=torch.tensor(drafts(tuple(seq.tokens[:seq.prompt_len]), seq.num_output)))
+                for seq, d in zip(proposal.drafting, inner(self, proposal))]
 
-    monkeypatch.setattr(Engine, "_draft", engine_draft)
+    monkeypatch.setattr(Eagle3Proposer, "propose", oracle_propose)
     eng = ev.evaluate_engine(setup["dir"], setup["head_dir"], prompts, [(s, 1, s + 1)], new, progress=False)["3,1,4"]
     spec = ReferenceSpeculator(model, None, SpecShape(s, 1, s + 1), drafter=ref_drafter)
     rows = [ev._row(pid, o.tokens, o.accept_lengths)
@@ -200,7 +200,7 @@ def test_cli_bad_shape_syntax_and_backend_are_argparse_errors(setup, capsys):
 
 def test_pipeline_eval_is_sized_to_a_quick_run(setup, tmp_path):
     from tsengine.train import recipe
-    from tsengine.train.train_eagle3 import QUICK_EVAL, _eval
+    from tsengine.train.evaluation import QUICK_EVAL, evaluate as _eval
 
     root = tmp_path / "run"
     save_head(setup["head"], root / "export")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_demo_sized_recipe_learns_and_exports_a_lossless_head(smollm2, tmp_path):
-    from tsengine.demo import DEMO_OVERRIDES, RECIPE
+    from tsengine.train.demo import DEMO_OVERRIDES, RECIPE
     from tsengine.train.train_eagle3 import main
 
     assert main(["--recipe", str(RECIPE), "--output-dir", str(tmp_path), *DEMO_OVERRIDES]) == 0

@@ -10,6 +10,8 @@ rarely accepts would leave its accept branch untested; the head's own drafts are
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from tests.test_sampling import chi2_pvalue
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
+from tsengine.spec.drafts import Drafts
 from tsengine.spec.verify import multiround_draws, rejection_draws
 
 N_SAMPLES, T, PROMPT = 20000, 1.0, [5, 17, 33]
@@ -101,15 +104,17 @@ class OracleChainQ:
     distribution), q recorded for the rejection rule: acceptance is frequent, and neither branch is rare."""
 
     def __init__(self, engine, exact: Exact, seed=0):
-        self.engine, self.exact, self.inner = engine, exact, engine._draft
-        self.ids = engine.runner.drafter.draft_ids_in_target
+        self.engine, self.exact, self.inner = engine, exact, engine.proposer
+        self.ids = engine.proposer.draft_ids_in_target
         self.g = torch.Generator().manual_seed(seed)
         self.w = torch.softmax(torch.randn(engine.runner.vocab_size, generator=self.g, dtype=torch.float64) * 2, -1)
-        engine._draft = self
+        engine.proposer = self
 
-    def __call__(self, *args):
-        self.inner(*args)
-        seqs = [s for s in self.engine.scheduler.running if s.drafts is not None]
+    def propose(self, proposal):
+        out = self.inner.propose(proposal)
+        seqs = [s for s, d in zip(proposal.drafting, out) if d is not None]
+        if not seqs:
+            return out
         paths, xs, qs = [tuple(s.tokens) for s in seqs], [[] for _ in seqs], [[] for _ in seqs]
         for _ in range(self.engine.spec_steps):
             for j, p in enumerate(self.exact(paths)):
@@ -119,8 +124,8 @@ class OracleChainQ:
                 xs[j].append(x)
                 qs[j].append(q.float())
                 paths[j] = paths[j] + (x,)
-        for s, x, q in zip(seqs, xs, qs):
-            s.drafts, s.draft_q = torch.tensor(x), torch.stack(q)
+        new = iter(Drafts(torch.tensor(x), None, torch.stack(q), self.ids) for x, q in zip(xs, qs))
+        return [None if d is None else next(new) for d in out]
 
 
 class OracleTreeTop:
@@ -128,13 +133,15 @@ class OracleTreeTop:
     path, best first (deterministic given the prefix, as the multi-round rule's point masses are)."""
 
     def __init__(self, engine, exact: Exact):
-        self.engine, self.exact, self.inner = engine, exact, engine._draft
-        engine._draft = self
+        self.engine, self.exact, self.inner = engine, exact, engine.proposer
+        engine.proposer = self
 
-    def __call__(self, *args):
-        self.inner(*args)
-        seqs = [s for s in self.engine.scheduler.running if s.drafts is not None]
-        trees = [(s.tree[0].tolist(), s.tree[1].tolist()) for s in seqs]
+    def propose(self, proposal):
+        out = self.inner.propose(proposal)
+        seqs = [s for s, d in zip(proposal.drafting, out) if d is not None]
+        if not seqs:
+            return out
+        trees = [(d.tree.parents.tolist(), d.tree.depths.tolist()) for d in out if d is not None]
         paths = [{0: tuple(s.tokens)} for s in seqs]
         tokens = [[0] * len(t[0]) for t in trees]
         for d in range(1, max(max(t[1]) for t in trees) + 1):  # one batched lookup per depth
@@ -147,8 +154,8 @@ class OracleTreeTop:
                     siblings = [c for c in level[j] if par[c] == par[i]]
                     tokens[j][i] = ranked[(j, par[i])][siblings.index(i)]
                     paths[j][i] = paths[j][par[i]] + (tokens[j][i],)
-        for s, t in zip(seqs, tokens):
-            s.drafts = torch.tensor(t[1:])
+        new = iter(torch.tensor(t[1:]) for t in tokens)
+        return [None if d is None else dataclasses.replace(d, tokens=next(new)) for d in out]
 
 
 def expected_joint(exact: Exact, prompt, n: int, min_count: float = 5.0):

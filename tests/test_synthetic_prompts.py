@@ -133,7 +133,7 @@ def test_junk_is_counted_by_reason_and_short_results_reported():
 
 
 def test_only_train_rows_extended_and_cache_reused(tmp_path, monkeypatch):
-    from tsengine.train.train_eagle3 import _source_splits
+    from tsengine.train.splits import source_splits as _source_splits
 
     made = []
 

@@ -126,7 +126,7 @@ def test_tokenizer_digest_ignores_padding_state(tiny_models):
 
 
 def test_small_user_data_still_gets_a_validation_row(tmp_path):
-    from tsengine.train.train_eagle3 import _source_splits
+    from tsengine.train.splits import source_splits as _source_splits
 
     src = write_rows(tmp_path / "three.jsonl", 3, 9, with_answers=True)
     r = recipes.load(None, ["target=x", f"data.source={src}"])
@@ -180,7 +180,7 @@ def test_export_refuses_incomplete_or_mismatched_checkpoints(tiny_dirs, tiny_mod
     from safetensors.torch import save_file
 
     from tests.conftest import random_head
-    from tsengine.train.export import export_checkpoint
+    from tsengine.eagle3.export import export_checkpoint
 
     model, _ = tiny_models["llama"]
     head = random_head(model, seed=1, draft_vocab_size=100)

@@ -1,64 +1,31 @@
-"""The training loop: accelerate (1 process, DDP on gloo/nccl, DeepSpeed ZeRO), TTT, checkpoints, resume.
+"""The training loop: accelerate (1 process, DDP on gloo/nccl, DeepSpeed ZeRO), TTT, resume.
 
-Exact resume is a design goal, not a best effort: the batch plan is a pure function of (seed, epoch), the
-model has no dropout, and a checkpoint holds model, optimizer, scheduler, every rank's RNG and the data
-position, so a run killed with -9 and resumed logs the same loss sequence as one that never stopped.
-Checkpoints are written into a temporary directory and renamed when complete; a directory without the
-COMPLETE marker is never resumed from.
+Exact resume is a design goal, not a best effort: the batch plan is a pure function of (seed, epoch)
+(train/batching.py), the model has no dropout, and a checkpoint holds everything else that moves
+(train/checkpoints.py), so a run killed with -9 and resumed logs the same loss sequence as one that never
+stopped.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from tsengine.train.batching import collate, plan_batches
+from tsengine.train.checkpoints import State, load_checkpoint, save_checkpoint
 from tsengine.train.features import Features, FeatureStore, TargetFeatures, lm_head_weight
 from tsengine.train.loss import step_loss, teacher, valid_positions
+from tsengine.train.plots import plot_acc
 from tsengine.train.recipe import Recipe
 from tsengine.train.ttt import unroll
 from tsengine.eagle3.head import Eagle3Head
-
-COMPLETE = "COMPLETE"
-
-
-# ---- data ---------------------------------------------------------------------------------------
-def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, world: int = 1) -> list[list[list[int]]]:
-    """Per rank, the epoch's micro-batches of example ids: similar lengths together (little padding),
-    batch order shuffled by (seed, epoch), every rank the same number of batches."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    random.Random(seed * 1000003 + epoch).shuffle(batches)
-    per_rank = len(batches) // world
-    return [batches[r * per_rank:(r + 1) * per_rank] for r in range(world)]
-
-
-def collate(dataset, examples: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = [dataset[e] for e in examples]
-    t = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros(len(rows), t, dtype=torch.long)
-    att = torch.zeros(len(rows), t, dtype=torch.long)
-    mask = torch.zeros(len(rows), t, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[i, :n], att[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), 1, torch.tensor(r["loss_mask"], dtype=torch.bool)
-    return ids.to(device), att.to(device), mask.to(device)
 
 
 # ---- the model the optimizer sees ---------------------------------------------------------------
@@ -87,17 +54,6 @@ class TTTModel(nn.Module):
         return total, torch.stack(stats)  # stats[k] = (loss·n, n, correct)
 
 
-@dataclass
-class State:
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batch: int = 0  # micro-batches of this epoch done
-    best: float = -1.0
-    tokens: int = 0  # trained-on tokens seen (all ranks)
-    wall: float = 0.0  # training seconds before this process
-    recipe_key: str = ""  # what the run was started with; resuming under another recipe is refused
-
-
 def summarize(stats: torch.Tensor) -> dict[str, float]:
     """stats [steps, 3] summed -> loss_k, acc_k and the simulated acceptance length Σ_k Π_{j≤k} acc_j."""
     out, run, sim = {}, 1.0, 0.0
@@ -108,63 +64,6 @@ def summarize(stats: torch.Tensor) -> dict[str, float]:
         sim += run
     out["sim_accept_len"] = sim
     return out
-
-
-def plot_acc(metrics_path: Path, out_png: Path) -> None:
-    """acc_k per step (training and validation) as one PNG: the curve that tells whether to train longer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, split in zip(axes, ("train", "val")):
-        pts = [r for r in rows if r.get("split") == split]
-        k, win = 0, 20 if split == "train" else 1  # per-step training batches are small: smooth them
-        while pts and f"acc_{k}" in pts[0]:
-            ys = [r[f"acc_{k}"] for r in pts]
-            ys = [sum(ys[max(0, i - win + 1):i + 1]) / len(ys[max(0, i - win + 1):i + 1]) for i in range(len(ys))]
-            ax.plot([r["step"] for r in pts], ys, label=f"acc_{k}")
-            k += 1
-        ax.set_title(f"{split}: draft top-1 accuracy per TTT step" + (f" ({win}-step mean)" if win > 1 else ""))
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-        if k:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-
-
-def save_checkpoint(accelerator, model: TTTModel, state: State, out_root: Path, keep: int) -> Path:
-    final = out_root / f"step-{state.step:08d}"
-    tmp = out_root / f".step-{state.step:08d}.tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    accelerator.wait_for_everyone()  # every rank's RNG state is on disk before the marker says complete
-    head = accelerator.unwrap_model(model).head
-    if accelerator.is_main_process:
-        save_file({k: v.detach().cpu().contiguous() for k, v in head.exported_state_dict().items()},
-                  str(tmp / "head.safetensors"))
-        (tmp / "head_config.json").write_text(json.dumps(head.config.to_hf_dict(), indent=1))
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
-        (tmp / COMPLETE).write_text("")
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        done = sorted(p for p in out_root.glob("step-*") if (p / COMPLETE).exists())
-        for old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def latest_checkpoint(out_root: Path) -> Path | None:
-    done = sorted(p for p in out_root.glob("step-*") if (p / COMPLETE).exists())
-    return done[-1] if done else None
 
 
 def _deepspeed_launch() -> bool:
@@ -254,16 +153,9 @@ class Trainer:
 
     # ---- loop ---------------------------------------------------------------------------------------
     def resume(self) -> bool:
-        ckpt = latest_checkpoint(self.ckpt_root)
-        if ckpt is None:
+        saved = load_checkpoint(self.acc, self.ckpt_root, self.state.recipe_key)
+        if saved is None:
             return False
-        saved = State(**json.loads((ckpt / "trainer_state.json").read_text()))
-        if saved.recipe_key != self.state.recipe_key:
-            from tsengine.errors import UserError
-
-            raise UserError(f"{ckpt} was written under other training settings (train.*, seed, data, processes); resume "
-                            f"needs the same recipe: use another --output-dir or remove {self.ckpt_root}")
-        self.acc.load_state(str(ckpt))
         self.state = saved
         if self.acc.is_main_process and self.metrics.exists():  # drop lines logged after that checkpoint
             keep = [x for x in self.metrics.read_text().splitlines() if json.loads(x)["step"] <= self.state.step]

@@ -60,3 +60,35 @@ def full_argmax(model, hidden: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     at a time so that [rows, vocab] fp32 never exists for a whole chunked prefill."""
     parts = [model.logits(hidden[s:s + chunk]).argmax(-1) for s in range(0, hidden.shape[0], chunk)]
     return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.long)
+
+
+def write_captures(model, batch, forward, drawing: list[int]) -> None:
+    """Keep the rows of capturing runs at their positions. The argmax of a row that draws a token comes from
+    the logits the step formed anyway (`drawing`: the flat row of each logits row); only prefill interiors
+    need their own. Which rows are which is host bookkeeping (no sync); the index tensors go over without
+    waiting."""
+    runs = [(s, base) for s, base in zip(batch, forward.first_row) if s.seq.capture is not None]
+    hidden, aux, logits = forward.hidden, forward.aux, forward.logits
+    dev = hidden.device
+    logit_of = {row: i for i, row in enumerate(drawing)}
+    interior, last_rows, last_logits = [], [], []
+    for s, base in runs:
+        end = base + s.num_tokens
+        last = logit_of.get(end - 1)
+        interior.extend(range(base, end if last is None else end - 1))
+        if last is not None:
+            last_rows.append(end - 1)
+            last_logits.append(last)
+
+    def index(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long).to(dev, non_blocking=True)
+
+    arg = torch.empty(hidden.shape[0], dtype=torch.long, device=dev)
+    if interior:
+        at = index(interior)
+        arg[at] = full_argmax(model, hidden[at])
+    if last_rows:
+        arg[index(last_rows)] = logits[index(last_logits)].argmax(-1)
+    for s, base in runs:
+        end = base + s.num_tokens
+        s.seq.capture.write(s.start, aux[base:end], hidden[base:end], arg[base:end])

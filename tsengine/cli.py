@@ -40,7 +40,7 @@ def _head_init(args) -> None:
 
 
 def _export(args) -> None:
-    from tsengine.train.export import export_checkpoint
+    from tsengine.eagle3.export import export_checkpoint
 
     target = None
     if args.target:

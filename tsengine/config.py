@@ -17,24 +17,73 @@ from tsengine.errors import UserError, fail_if
 
 ALGORITHMS = ("EAGLE3", "NGRAM")
 
+# The shapes the engine runs (docs/design/tree-speculation.md): steps S, top-k K, nodes N (root included);
+# N <= 64 because a window's ancestor set is one int64 bitmask.
+NUM_STEPS, EAGLE_TOPK, NUM_DRAFT_TOKENS = (1, 10), (1, 16), (2, 64)
+SHAPE_NAMES = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def tree_shape_problems(num_steps: int, topk: int, num_draft_tokens: int | None, *,
+                        names: tuple[str, str, str] = SHAPE_NAMES, engine_limits: bool = True,
+                        draft_vocab_size: int | None = None) -> list[str]:
+    """Every violation of the draft tree shape rules, worded with `names` (the caller's own spelling of S,
+    K and N). The rules: a chain verifies the root plus every draft (N = S+1); a tree needs its node
+    budget N given; it cannot keep more nodes than S steps of top-K make (1 + K + (S-1)·K²); K cannot
+    exceed the draft vocab. The engine adds `engine_limits`: its draft lanes, (S-1)·K frontier nodes, live
+    in the N slots the target verifies next, and S, K, N stay within NUM_STEPS, EAGLE_TOPK and
+    NUM_DRAFT_TOKENS. The reference generator (tsengine.infer.reference) checks the rules without them:
+    it recomputes everything, so any tree a drafter can grow is one it can verify."""
+    (S, K, N), (s, k, n) = names, (num_steps, topk, num_draft_tokens)
+
+    def outside(name: str, v: int, bounds: tuple[int, int]) -> str | None:
+        lo, hi = bounds
+        if v < lo or engine_limits and v > hi:
+            return f"{name} is {v}; " + (f"allowed: {lo}..{hi}" if engine_limits else f"must be >= {lo}")
+        return None
+
+    problems = [p for p in (outside(S, s, NUM_STEPS), outside(K, k, EAGLE_TOPK)) if p]
+    if n is None and k > 1:
+        problems.append(f"{N} must be given for a tree ({K} > 1): the number of nodes verified, root included")
+    if n is not None:
+        if p := outside(N, n, NUM_DRAFT_TOKENS):
+            problems.append(p + " (nodes including the root)")
+        if k == 1 and n != s + 1:
+            problems.append(f"{N} is {n}; a chain ({K} 1) needs {N} = {S} + 1 = {s + 1}: the target verifies the "
+                            f"root plus every draft, so their count must equal {S} + 1 = {s + 1}")
+        if engine_limits and k > 1 and (s - 1) * k > n:
+            problems.append(f"({S} - 1) * {K} = {(s - 1) * k} draft lanes exceed {N} {n}: the frontier nodes "
+                            "are drafted in the slots the target verifies next")
+        if k > 1 and n > 1 + k + (s - 1) * k * k:
+            problems.append(f"{N} {n} exceeds what {s} steps of top-{k} can draft: "
+                            f"1 + K + (S-1)*K^2 = {1 + k + (s - 1) * k * k}")
+    if draft_vocab_size is not None and k > draft_vocab_size:
+        problems.append(f"{K} {k} exceeds the head's draft vocab size {draft_vocab_size}")
+    return problems
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class SpeculativeConfig(_Strict):
-    algorithm: Literal["EAGLE3", "NGRAM"] = "EAGLE3"
-    draft_model_path: str | None = None  # EAGLE3's head directory
-    num_steps: int = 3  # ranges are checked in `checked`, so that one error lists every violation
-    eagle_topk: int = 1
-    num_draft_tokens: int | None = None
-    prompt_lookup_min: int = Field(1, ge=1)  # NGRAM: shortest suffix n-gram to look up
-    prompt_lookup_max: int = Field(4, ge=1)  # NGRAM: longest
-    # The verification rule at temperature > 0 (greedy rows always take exact matching). Default: keyed
-    # Gumbel draws, so output equals plain seeded sampling. `speculative_sampling`: rejection sampling against
-    # the draft's recorded q (chain). `tree_sampling="multiround"`: the point-mass multi-round rule (tree).
-    speculative_sampling: bool = False
-    tree_sampling: Literal["gumbel", "multiround"] = "gumbel"
+    # Ranges of the shape are checked in `checked`, so that one error lists every violation.
+    algorithm: Literal["EAGLE3", "NGRAM"] = Field(
+        "EAGLE3", description="EAGLE3 (a trained head) or NGRAM (prompt lookup in the request's own tokens)")
+    draft_model_path: str | None = Field(None, description="EAGLE-3 head directory (export format)")
+    num_steps: int = Field(3, description="draft forwards per step ({}..{})".format(*NUM_STEPS))
+    eagle_topk: int = Field(1, description="children per expansion: 1 = chain, > 1 = tree ({}..{})".format(
+        *EAGLE_TOPK))
+    num_draft_tokens: int | None = Field(None, description="nodes verified per step, root included ({}..{}); a "
+                                         "chain: steps + 1; required for a tree".format(*NUM_DRAFT_TOKENS))
+    prompt_lookup_min: int = Field(1, ge=1, description="NGRAM: shortest suffix n-gram to look up")
+    prompt_lookup_max: int = Field(4, ge=1, description="NGRAM: longest suffix n-gram to look up")
+    # The verification rule at temperature > 0 (greedy rows always take exact matching).
+    speculative_sampling: bool = Field(False, description=(
+        "temperature > 0: rejection sampling against the draft's q (chain, EAGLE3); the default keyed Gumbel "
+        "rule returns exactly plain sampling's tokens instead"))
+    tree_sampling: Literal["gumbel", "multiround"] = Field("gumbel", description=(
+        "temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround (point-mass "
+        "multi-round rejection)"))
 
     @property
     def rule(self) -> str:
@@ -47,32 +96,9 @@ class SpeculativeConfig(_Strict):
         return self.eagle_topk > 1
 
     def checked(self) -> "SpeculativeConfig":
-        """Every violation at once. The rules: a chain verifies the root plus every draft (N = S+1); a tree
-        needs its node budget N given; its draft lanes, (S-1)·K frontier nodes, live in the N slots the
-        target verifies next; it cannot keep more nodes than S steps of top-K make (1 + K + (S-1)·K²);
-        the ancestor bitmask of a window is 64 bits (N ≤ 64)."""
-        n, s, k = self.num_draft_tokens, self.num_steps, self.eagle_topk
-        problems = []
-        if not 1 <= s <= 10:
-            problems.append(f"speculative_num_steps is {s}; allowed: 1..10")
-        if not 1 <= k <= 16:
-            problems.append(f"speculative_eagle_topk is {k}; allowed: 1..16")
-        if n is None and k > 1:
-            problems.append("speculative_num_draft_tokens must be given for a tree (eagle_topk > 1): the number "
-                            "of nodes verified, root included")
-        if n is not None:
-            if not 2 <= n <= 64:
-                problems.append(f"speculative_num_draft_tokens is {n}; allowed: 2..64 (nodes including the root)")
-            if k == 1 and n != s + 1:
-                problems.append(f"speculative_num_draft_tokens is {n}; a chain (eagle_topk 1) verifies the root "
-                                f"plus every draft: it must equal speculative_num_steps + 1 = {s + 1}")
-            if k > 1 and (s - 1) * k > n:
-                problems.append(f"(speculative_num_steps - 1) * speculative_eagle_topk = {(s - 1) * k} draft lanes "
-                                f"exceed speculative_num_draft_tokens {n}: the frontier nodes are drafted in the "
-                                "slots the target verifies next")
-            if k > 1 and n > 1 + k + (s - 1) * k * k:
-                problems.append(f"speculative_num_draft_tokens {n} exceeds what {s} steps of top-{k} can draft: "
-                                f"1 + K + (S-1)*K^2 = {1 + k + (s - 1) * k * k}")
+        """Every violation at once: the tree shape (`tree_shape_problems`), the draft model, the n-gram sizes."""
+        n, s = self.num_draft_tokens, self.num_steps
+        problems = tree_shape_problems(s, self.eagle_topk, n)
         if self.algorithm == "EAGLE3" and not self.draft_model_path:
             problems.append("speculative decoding with EAGLE3 needs a draft model: --speculative-draft-model-path "
                             "DIR (or \"model\" in --speculative-config)")
@@ -140,22 +166,27 @@ class SpeculativeConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    model: str
-    tokenizer: str | None = None
+    """The descriptions are the command line's help too (tsengine/engine_args.py derives the flags)."""
+
+    model: str = Field(description="target: HF directory, embedded name (smollm2-135m) or hub id")
+    tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = "auto"
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     block_size: int = Field(16, ge=1, le=256)
-    kv_cache_memory: int | None = Field(None, ge=1)  # bytes (CPU); default: enough for the request cap
+    kv_cache_memory: int | None = Field(None, ge=1, description="KV cache bytes (CPU); default: enough for "
+                                        "--max-num-seqs")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    num_kv_blocks: int | None = Field(None, ge=1)  # overrides the budget (tests, reproducible benchmarks)
+    num_kv_blocks: int | None = Field(None, ge=1, description="overrides the memory budget (tests, "
+                                      "reproducible benchmarks)")
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
     seed: int = 0
-    debug_checks: bool = False  # invariant checks after every step (tests turn them on)
-    # the target layers whose outputs capturing requests keep (training data at engine speed: tsengine/capture.py)
-    capture_layer_ids: tuple[int, ...] | None = None
+    debug_checks: bool = Field(False, description="run the block/scheduler invariants every step")
+    capture_layer_ids: tuple[int, ...] | None = Field(None, description=(
+        "the target layers whose outputs capturing requests keep (training data at engine speed: "
+        "tsengine/capture.py)"))
     speculative: SpeculativeConfig | None = None
 
     @staticmethod

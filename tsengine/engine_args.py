@@ -1,69 +1,118 @@
 """Command-line flags for the engine, shared by `tsengine generate`, `serve` and `bench`.
 
-Speculation flags carry SGLang/TokenSpeed names; `--speculative-config` takes vLLM's JSON form. Both go
-through `SpeculativeConfig.resolve`, so a conflict between them is one clear error.
+Each flag is an `EngineConfig` or `SpeculativeConfig` field: its type, choices, bounds, default and help
+are read from the field (tsengine/config.py), so a setting is described once and the command line cannot
+drift from what the engine accepts. Speculation flags carry SGLang/TokenSpeed names; `--speculative-config`
+takes vLLM's JSON form. Both go through `SpeculativeConfig.resolve`, so a conflict between them is one
+clear error.
 """
 
 from __future__ import annotations
 
 import argparse
+import types
+from typing import Literal, Union, get_args, get_origin
+
+import annotated_types
+from pydantic.fields import FieldInfo
 
 from tsengine.config import EngineConfig, SpeculativeConfig
 
+# Engine settings set in code only: the KV block count (tests, reproducible benchmarks), the capture layers
+# (the capture API) and the speculation object, which the "speculative decoding" group below builds.
+NOT_FLAGS = ("num_kv_blocks", "capture_layer_ids", "speculative")
+# SpeculativeConfig fields on the command line, under SGLang's names (the n-gram sizes are JSON-only).
+SPECULATIVE_FLAGS = {"algorithm": "--speculative-algorithm", "draft_model_path": "--speculative-draft-model-path",
+                     "num_steps": "--speculative-num-steps", "eagle_topk": "--speculative-eagle-topk",
+                     "num_draft_tokens": "--speculative-num-draft-tokens",
+                     "speculative_sampling": "--enable-speculative-sampling", "tree_sampling": "--spec-tree-sampling"}
 
-def _int_in(lo: int, hi: int | None = None):
-    def parse(text: str) -> int:
+
+def _engine_flags() -> dict[str, str]:
+    return {name: "--" + name.replace("_", "-") for name in EngineConfig.model_fields if name not in NOT_FLAGS}
+
+
+def _kind(annotation) -> tuple[type, tuple | None]:
+    """(the value's type, its allowed values) from an annotation: `X | None` is X, Literal gives choices."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        (annotation,) = (a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Literal:
+        choices = get_args(annotation)
+        return type(choices[0]), choices
+    return annotation, None
+
+
+def _bounded(kind: type, field: FieldInfo):
+    """`kind` itself when the field has no bounds; else a parser that refuses values outside them, so the
+    error names the flag and the range before the engine starts."""
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in field.metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo = m.ge
+        elif isinstance(m, annotated_types.Gt):
+            lo, lo_open = m.gt, True
+        elif isinstance(m, annotated_types.Le):
+            hi = m.le
+        elif isinstance(m, annotated_types.Lt):
+            hi, hi_open = m.lt, True
+    if lo is None and hi is None:
+        return kind
+    if lo_open or hi_open:
+        allowed = " and ".join(b for b in (lo is not None and f"{'>' if lo_open else '>='} {lo}",
+                                           hi is not None and f"{'<' if hi_open else '<='} {hi}") if b)
+    else:
+        allowed = f"{lo if lo is not None else '-inf'}..{hi if hi is not None else 'inf'}"
+
+    def parse(text: str):
         try:
-            v = int(text)
+            v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{v} is out of range; allowed: {lo}..{hi if hi is not None else 'inf'}")
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        below = lo is not None and (v <= lo if lo_open else v < lo)
+        above = hi is not None and (v >= hi if hi_open else v > hi)
+        if below or above:
+            raise argparse.ArgumentTypeError(f"{v} is out of range; allowed: {allowed}")
         return v
     return parse
 
 
+def _add(p, flag: str, field: FieldInfo, **overrides) -> None:
+    kind, choices = _kind(field.annotation)
+    kw = {"help": field.description}
+    if field.is_required():
+        kw["required"] = True
+    else:
+        kw["default"] = field.default
+    if kind is bool:
+        kw["action"] = "store_true"
+    else:
+        kw["type"] = _bounded(kind, field)
+        if choices:
+            kw["choices"] = list(choices)
+    p.add_argument(flag, **{**kw, **overrides})
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target: HF directory, embedded name (smollm2-135m) or hub id")
-    p.add_argument("--tokenizer", help="tokenizer directory (default: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--block-size", type=_int_in(1, 256), default=16)
-    p.add_argument("--kv-cache-memory", type=_int_in(1), help="KV cache bytes (CPU); default: enough for --max-num-seqs")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=_int_in(2))
-    p.add_argument("--max-num-seqs", type=_int_in(1), default=64)
-    p.add_argument("--max-num-batched-tokens", type=_int_in(1), default=2048)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--debug-checks", action="store_true", help="run the block/scheduler invariants every step")
+    for name, flag in _engine_flags().items():
+        _add(p, flag, EngineConfig.model_fields[name])
     s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", type=str.upper, choices=["EAGLE3", "NGRAM"],
-                   help="EAGLE3 (a trained head) or NGRAM (prompt lookup in the request's own tokens)")
-    s.add_argument("--speculative-draft-model-path", help="EAGLE-3 head directory (export format)")
-    # ranges are checked together in SpeculativeConfig (one error lists every violation)
-    s.add_argument("--speculative-num-steps", type=int, help="draft forwards per step (1..10)")
-    s.add_argument("--speculative-eagle-topk", type=int, help="children per expansion: 1 = chain, > 1 = tree (1..16)")
-    s.add_argument("--speculative-num-draft-tokens", type=int,
-                   help="nodes verified per step, root included (2..64); a chain: steps + 1; required for a tree")
-    s.add_argument("--enable-speculative-sampling", action="store_true", default=None,
-                   help="temperature > 0: rejection sampling against the draft's q (chain, EAGLE3); the default "
-                        "keyed Gumbel rule returns exactly plain sampling's tokens instead")
-    s.add_argument("--spec-tree-sampling", choices=["gumbel", "multiround"],
-                   help="temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround "
-                        "(point-mass multi-round rejection)")
+    for name, flag in SPECULATIVE_FLAGS.items():
+        # No defaults: an unset flag is None, so `resolve` tells what was asked for (and a flag from a
+        # conflicting JSON key); the ranges are checked together there, one error for every violation.
+        extra = {"type": str.upper} if name == "algorithm" else {}  # EAGLE3 or eagle3
+        _add(s, flag, SpeculativeConfig.model_fields[name], default=None, **extra)
     s.add_argument("--speculative-config", help='vLLM-style JSON, e.g. {"method": "eagle3", "model": DIR, '
                                                 '"num_speculative_tokens": 3}')
 
 
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    spec = SpeculativeConfig.resolve(args.speculative_algorithm, args.speculative_draft_model_path,
-                                     args.speculative_num_steps, args.speculative_eagle_topk,
-                                     args.speculative_num_draft_tokens, args.speculative_config,
-                                     args.enable_speculative_sampling, args.spec_tree_sampling)
-    return EngineConfig.make(
-        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
-        attention_backend=args.attention_backend, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        debug_checks=args.debug_checks, speculative=spec)
+    spec = SpeculativeConfig.resolve(config_json=args.speculative_config,
+                                     **{name: getattr(args, _dest(flag)) for name, flag in SPECULATIVE_FLAGS.items()})
+    return EngineConfig.make(**{name: getattr(args, _dest(flag)) for name, flag in _engine_flags().items()},
+                             speculative=spec)

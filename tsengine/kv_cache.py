@@ -102,7 +102,7 @@ def move_slots(buf: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def plan_blocks(budget_bytes: int, per_block: int, block_size: int, positions: int) -> int:
-    """`positions`: the most one request holds (`runner.positions_per_request`); the cache fits at least one."""
+    """`positions`: the most one request holds (`startup.positions_per_request`); the cache fits at least one."""
     n = budget_bytes // per_block
     if n < -(-positions // block_size):
         raise UserError(f"the KV cache budget ({budget_bytes / 2**20:.1f} MiB) holds {n} blocks of {block_size} "

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from tsengine.config import EngineConfig, SpeculativeConfig
 from tsengine.engine import Engine
 from tsengine.errors import UserError
+from tsengine.fanout import fan_out
 from tsengine.sampling import SamplingParams
 
 
@@ -33,11 +34,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     spec_verify_steps: int = 0
     spec_accepted_tokens: int = 0
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """The i-th of n samples gets its own stream; sample 0 keeps the request's seed."""
-    return seed if seed is None or index == 0 else (seed * 1_000_003 + index) % 2**62
 
 
 class LLM:
@@ -74,10 +70,9 @@ class LLM:
             rid = str(next(self._ids))
             res = RequestOutput(rid, text, ids, [CompletionOutput(i, "", [], None) for i in range(p.n)])
             results.append(res)
-            for i in range(p.n):
-                sub = SamplingParams(**{**p.__dict__, "n": 1, "seed": sample_seed(p.seed, i)})
-                self.engine.add_request(f"{rid}-{i}", ids, sub)
-                owner[f"{rid}-{i}"] = (res, i)
+            for i, (sub_id, sub) in enumerate(fan_out(rid, p)):
+                self.engine.add_request(sub_id, ids, sub)
+                owner[sub_id] = (res, i)
         bar = tqdm(total=len(owner), disable=not use_tqdm, desc="generate")
         while self.engine.has_unfinished():
             for out in self.engine.step():

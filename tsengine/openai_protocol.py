@@ -13,7 +13,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tsengine.llm import sample_seed
 from tsengine.sampling import SamplingParams
 
 
@@ -56,13 +55,13 @@ class _SamplingRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> list[SamplingParams]:
-        """One SamplingParams per choice (each with its own seed stream, as `LLM.generate` does)."""
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """The request's sampling, all `n` choices in one (tsengine.fanout splits them as `LLM.generate` does);
+        without max_tokens, up to the end of the context."""
         max_tokens = self.requested_max_tokens or max_model_len - prompt_len
-        return [SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                               max_tokens=max_tokens, seed=sample_seed(self.seed, i),
-                               stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
-                for i in range(self.n)]
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              max_tokens=max_tokens, seed=self.seed, n=self.n,
+                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -96,6 +95,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """A request the server refuses, carrying what OpenAI's error body says (see `error_body`)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

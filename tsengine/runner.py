@@ -1,57 +1,42 @@
-"""Everything with weights: the target decoder, the draft head, both KV caches, device and dtype.
+"""All device work of the target: its weights, its KV cache, and one forward per step.
 
-Startup decides, once and visibly: device (cuda when present), dtype (`auto` = bf16 on GPU when the
-checkpoint is 16-bit, fp32 on CPU where AVX2 has no fast bf16), attention backend (`auto` = triton on GPU,
-torch on CPU), max_model_len, and the number of KV blocks from the memory budget. The head is validated
-against the target (hidden size, vocab, aux layer ids) before anything runs.
+`run(batch)` lays the step's scheduled runs out as one flat batch (prefill chunks, plain decodes and verify
+windows [last token, d1..dN-1] mixed), forwards the target once and forms logits only for the rows that
+draw a token: the last row of a run that reaches its request's last token, every row of a verify window.
+What start-up decides (device, dtype, backend, context, head, KV blocks) is in `tsengine/startup.py`.
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from tsengine import kv_cache
+from tsengine import startup
+from tsengine.capture import write_captures
 from tsengine.config import EngineConfig
+from tsengine.context import Context
 from tsengine.errors import UserError
 from tsengine.models.llama import load_model
-from tsengine.targets import resolve
-
-log = logging.getLogger("tsengine")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _eos_ids(path: str, tok, hf) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids = []
-    try:
-        g = GenerationConfig.from_pretrained(path).eos_token_id
-        ids = [] if g is None else ([g] if isinstance(g, int) else list(g))
-    except OSError:
-        g = getattr(hf, "eos_token_id", None)
-        ids = [] if g is None else ([g] if isinstance(g, int) else list(g))
-    if tok.eos_token_id is not None and tok.eos_token_id not in ids:
-        ids.append(tok.eos_token_id)
-    return ids
+from tsengine.scheduler import Scheduled
+from tsengine.spec.drafts import Windows
+from tsengine.targets import eos_ids, resolve
 
 
-def reserve_slots(spec) -> int:
-    """KV positions a request holds past its tokens: a chain's verify window reaches S past the last token
-    and its draft chain after a full accept writes up to 2S-1 past it; a tree's window (and the draft
-    lanes inside it) reaches N-1 past it."""
-    return 0 if spec is None else max(2 * spec.num_steps, spec.num_draft_tokens)
+@dataclass
+class Forward:
+    """One target forward over a step's runs."""
+
+    hidden: torch.Tensor  # [T, H] final normed hidden state of every flat row
+    aux: torch.Tensor | None  # [T, A] the aux layers' hidden states (the head's input), or None
+    logits: torch.Tensor  # [R, V] the rows that draw a token, run by run
+    draw_positions: torch.Tensor  # [R] the position each of those rows draws (its own position + 1)
+    first_row: list[int]  # each run's first row in the flat batch
+    windows: Windows | None  # the step's verify windows, or None
 
 
-def positions_per_request(spec, max_model_len: int) -> int:
-    """The most KV positions one request holds at once: the scheduler grows a verify window at the last
-    allowed token (max_model_len - 1 tokens, one not yet cached) to its window plus `reserve_slots`."""
-    return max_model_len + reserve_slots(spec) + (spec.num_draft_tokens - 1 if spec is not None else 0)
-
-
-class Runner:
+class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         path = resolve(config.model)
@@ -60,37 +45,12 @@ class Runner:
             self.tokenizer = AutoTokenizer.from_pretrained(resolve(config.tokenizer) if config.tokenizer else path)
         except (OSError, ValueError) as e:
             raise UserError(f"model {config.model!r}: cannot read its config/tokenizer ({e})") from None
-        self.hf_config, self.eos_ids = hf, _eos_ids(path, self.tokenizer, hf)
-        self.vocab_size = hf.vocab_size
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto"
-                                   else config.device)
-        gpu = self.device.type == "cuda"
-        if config.dtype == "auto":
-            ckpt = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
-            self.dtype = torch.bfloat16 if gpu and str(ckpt).endswith(("bfloat16", "float16")) else torch.float32
-        else:
-            self.dtype = DTYPES[config.dtype]
-        self.backend = ("triton" if gpu else "torch") if config.attention_backend == "auto" else config.attention_backend
-        if self.backend == "triton" and not gpu:
-            import os
-
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                raise UserError("attention_backend triton needs a CUDA GPU (or TRITON_INTERPRET=1 to interpret "
-                                "the kernels on the CPU, slowly); allowed here: torch")
-        limit = hf.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        if config.max_model_len and config.max_model_len > limit:
-            raise UserError(f"max_model_len {config.max_model_len} exceeds the model's "
-                            f"max_position_embeddings {limit}")
-        spec = config.speculative
-        self.head = None
-        aux_ids = tuple(config.capture_layer_ids or ())
-        bad = [i for i in aux_ids if not 0 <= i < hf.num_hidden_layers]
-        if bad:
-            raise UserError(f"capture_layer_ids {list(aux_ids)}: {bad} outside 0..{hf.num_hidden_layers - 1}")
-        if aux_ids and spec is not None:
-            raise UserError("capture_layer_ids with speculative decoding: capture keeps plain prefill and decode "
-                            "rows; run the capturing engine without speculation")
+        self.hf_config, self.eos_ids, self.vocab_size = hf, eos_ids(path, self.tokenizer), hf.vocab_size
+        self.device = startup.choose_device(config)
+        self.dtype = startup.choose_dtype(config, hf, self.device)
+        self.backend = startup.choose_backend(config, self.device)
+        self.max_model_len = startup.context_length(config, hf)
+        spec, aux_ids, self.head = config.speculative, startup.aux_layers(config, hf), None
         if spec is not None and spec.algorithm == "EAGLE3":
             from tsengine.eagle3.format import load_head
 
@@ -102,63 +62,41 @@ class Runner:
         # RoPE rows for every position a request can touch: its verify window (and draft lanes) reach
         # reserve_slots past its last token, which may be the last allowed one
         self.model = load_model(path, hf, self.dtype, self.device, aux_ids, self.backend,
-                                self.max_model_len + reserve_slots(spec))
+                                self.max_model_len + startup.reserve_slots(spec))
         if self.head is not None and self.head.embed_tokens is None:
             self.head.bind_embeddings(self.model.embed)
-        self._allocate(spec)
+        self.block_size = config.block_size
+        plan = startup.plan_kv(config, self.model.cfg, self.head, self.vocab_size, self.max_model_len, self.dtype,
+                               self.device, self.backend)
+        self.blocks, self.kv_buf, self.kv, self.draft_kv, self.q_bytes = (
+            plan.blocks, plan.kv_buf, plan.kv, plan.draft_kv, plan.reserved_bytes)
 
-    def _allocate(self, spec) -> None:
-        c, cfg = self.config, self.model.cfg
-        self.block_size = c.block_size
-        per = kv_cache.bytes_per_block(c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
-                                       self.dtype)
-        if self.head is not None:
-            h = self.head.config
-            per += kv_cache.bytes_per_block(c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype)
-        held = positions_per_request(spec, self.max_model_len)
-        # Rejection sampling keeps each running request's draft distributions q ([S, draft vocab] fp32) from
-        # its draft step to its verify step, and verification scatters them into the target vocab.
-        self.q_bytes = 0
-        if spec is not None and spec.rule == "rejection" and self.head is not None:
-            self.q_bytes = c.max_num_seqs * spec.num_steps * (self.head.config.draft_vocab_size + self.vocab_size) * 4
-            log.info("speculative sampling: recorded draft distributions take up to %.1f MiB (max_num_seqs %d x "
-                     "%d steps x (draft vocab %d + vocab %d) x 4 B), reserved before the KV cache", self.q_bytes / 2**20,
-                     c.max_num_seqs, spec.num_steps, self.head.config.draft_vocab_size, self.vocab_size)
-        # Capturing requests keep their target features by position (tsengine/capture.py): room for every
-        # running request at full length, reserved like q.
-        if c.capture_layer_ids:
-            from tsengine.capture import bytes_per_position
-
-            self.q_bytes += c.max_num_seqs * self.max_model_len * bytes_per_position(
-                len(c.capture_layer_ids) * cfg.hidden_size, cfg.hidden_size, self.dtype)
-        if self.device.type == "cuda":
-            import gc
-
-            gc.collect()  # an engine freed before this one (eval shapes, regeneration splits) gives its
-            torch.cuda.empty_cache()  # cache back, or mem_get_info counts it as used
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - c.gpu_memory_utilization) * total) - self.q_bytes
-        elif c.kv_cache_memory is not None:
-            budget = c.kv_cache_memory - self.q_bytes
-        else:  # enough for every request slot at full length, capped at 4 GiB
-            budget = min(c.max_num_seqs * -(-held // c.block_size) * per, 4 << 30)
-        if c.num_kv_blocks is not None:
-            budget = c.num_kv_blocks * per
-        n = kv_cache.plan_blocks(budget, per, c.block_size, held)
-        self.blocks = kv_cache.BlockManager(n, c.block_size)
-        self.kv_buf, self.kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                 cfg.head_dim, self.dtype, self.device)
-        self.drafter = None
-        if spec is not None and spec.algorithm == "NGRAM":
-            from tsengine.spec.ngram import NgramDrafter
-
-            self.drafter = NgramDrafter(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, self.device)
-        if self.head is not None:
-            from tsengine.spec.eagle3 import Eagle3Drafter
-
-            h = self.head.config
-            dkv = kv_cache.allocate(n, c.block_size, 1, h.num_key_value_heads, h.head_dim, self.dtype, self.device)[1][0]
-            self.drafter = Eagle3Drafter(self.head, spec.num_steps, dkv, c.block_size, self.backend, spec.eagle_topk,
-                                         spec.num_draft_tokens, spec.rule)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB incl. draft), backend %s, dtype %s, device %s",
-                 n, c.block_size, n * per / 2**20, self.backend, self.dtype, self.device)
+    def run(self, batch: list[Scheduled]) -> Forward:
+        """One forward over the batch. Host bookkeeping only: no sync, the inputs go over without waiting."""
+        dev = self.device
+        ids, runs, first_row, drawing = [], [], [], []  # drawing: flat rows whose logits are formed
+        verify = []  # (run, its first flat row, its first logits row) per verify window
+        for s in batch:
+            seq, base = s.seq, len(ids)
+            first_row.append(base)
+            runs.append((seq.table, s.start, s.num_tokens))
+            if s.verify:  # node 0 is the last committed token; the drafts are scattered in on the device
+                ids.extend([seq.tokens[-1]] + [0] * (s.num_tokens - 1))
+                verify.append((s, base, len(drawing)))
+            else:
+                ids.extend(seq.tokens[s.start:s.start + s.num_tokens])
+            if s.samples:
+                drawing.extend(range(base if s.verify else base + s.num_tokens - 1, base + s.num_tokens))
+        input_ids = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        ctx = Context.build(runs, self.block_size, dev)
+        windows = Windows.stack(verify, dev) if verify else None
+        if windows is not None:
+            input_ids[windows.flat_rows[:, 1:]] = windows.tokens
+            if windows.is_tree:  # position follows depth (RoPE and draws), slot follows node index
+                ctx.set_trees(windows.flat_rows, windows.starts, windows.depths, windows.ancestors)
+        hidden, aux = self.model(input_ids, ctx, self.kv)
+        rows = torch.tensor(drawing, dtype=torch.long).to(dev, non_blocking=True)
+        forward = Forward(hidden, aux, self.model.logits(hidden[rows]), ctx.positions[rows] + 1, first_row, windows)
+        if any(s.seq.capture is not None for s in batch):
+            write_captures(self.model, batch, forward, drawing)
+        return forward

@@ -6,7 +6,7 @@ the token budget, the request cap and the free blocks allow. When a running requ
 the newest running request is preempted (its blocks freed, recomputed later; seeded sampling keys by
 position, so recompute gives the same tokens). A step never crashes for lack of blocks and never leaks.
 
-Blocks reserved per request: `len(tokens) + reserve` positions (`runner.reserve_slots`: 2·S for a chain,
+Blocks reserved per request: `len(tokens) + reserve` positions (`startup.reserve_slots`: 2·S for a chain,
 max(2·S, N) for a tree of N nodes, 0 without speculation).
 """
 

@@ -2,8 +2,8 @@
 
 `tokens` holds prompt + output; `num_cached` positions of it have their KV (target and draft) committed.
 A request decodes when everything but its last token is cached; until then it prefills in chunks. With
-speculation, `drafts` holds the tokens proposed for its next verify window (a device tensor row: the
-engine never reads them on the host).
+speculation, `drafts` holds what the proposer proposed for its next verify window (`spec.drafts.Drafts`:
+device tensors the engine never reads on the host).
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
-from tsengine.capture import CaptureBuffer  # noqa: F401 (annotation)
+from typing import TYPE_CHECKING
 
 from tsengine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from tsengine.capture import CaptureBuffer
+    from tsengine.spec.drafts import Drafts
 
 _ids = itertools.count()
 
@@ -38,9 +40,7 @@ class Sequence:
     status: Status = Status.WAITING
     table: list[int] = field(default_factory=list)
     num_cached: int = 0
-    drafts: torch.Tensor | None = None
-    tree: tuple | None = None  # (parents, depths, ancestor bits), each [N] on the device; None for a chain
-    draft_q: torch.Tensor | None = None  # [S, draft vocab]: the drafts' distributions (rejection sampling only)
+    drafts: "Drafts | None" = None
     capture: "CaptureBuffer | None" = None  # target features kept by position (tsengine/capture.py)
     finish_reason: str | None = None
     num_preempted: int = 0
@@ -64,5 +64,5 @@ class Sequence:
 
     def preempt(self) -> None:
         """Recompute later: KV dropped, the tokens so far become the prefix to prefill again."""
-        self.status, self.num_cached, self.drafts, self.tree, self.draft_q = Status.WAITING, 0, None, None, None
+        self.status, self.num_cached, self.drafts = Status.WAITING, 0, None
         self.num_preempted += 1

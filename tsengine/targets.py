@@ -141,9 +141,20 @@ def encode_prompt(tok, text: str, raw: bool = False) -> list[int]:
     return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
-def eos_ids(model, tok) -> list[int]:
-    """Every id that ends a turn: generation_config's (int or list) and the tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+def eos_ids(source, tok) -> list[int]:
+    """Every id that ends a turn: the generation config's (int or list) and the tokenizer's. `source` is
+    a loaded HF model or a model directory: the engine loads its own weights, never an HF model, and must
+    stop on the same ids as the reference run on that model. A directory without generation_config.json
+    falls back to config.json's eos_token_id."""
+    if isinstance(source, (str, os.PathLike)):
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            ids = GenerationConfig.from_pretrained(source).eos_token_id
+        except OSError:
+            ids = getattr(AutoConfig.from_pretrained(source), "eos_token_id", None)
+    else:
+        ids = getattr(getattr(source, "generation_config", None), "eos_token_id", None)
     ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
     if tok.eos_token_id is not None and tok.eos_token_id not in ids:
         ids.append(tok.eos_token_id)

@@ -1,0 +1,20 @@
+"""Speculation, isolated from the engine loop: a `Proposer` drafts (`drafts.py`, `eagle3.py`, `ngram.py`,
+`tree.py`), the `Verifier` decides (`verify.py`)."""
+
+from __future__ import annotations
+
+from tsengine.spec.drafts import NoProposer, Proposer
+
+
+def build_proposer(spec, runner) -> Proposer:
+    """The configured method's proposer over the runner's head and draft cache (plain decoding: none)."""
+    if spec is None:
+        return NoProposer()
+    if spec.algorithm == "NGRAM":
+        from tsengine.spec.ngram import NgramProposer
+
+        return NgramProposer(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
+    from tsengine.spec.eagle3 import Eagle3Proposer
+
+    return Eagle3Proposer(runner.head, spec.num_steps, runner.draft_kv, runner.block_size, runner.backend,
+                          spec.eagle_topk, spec.num_draft_tokens, spec.rule)

@@ -1,4 +1,4 @@
-"""EAGLE-3 chain drafting over the paged draft cache, batched across requests.
+"""The EAGLE-3 proposer: chain or tree drafting over the paged draft cache, batched across requests.
 
 Position bookkeeping (the same as infer/reference.py): the head's input at draft position t is
 (embedding of token t+1, target features of position t), so after the target has cached positions
@@ -30,16 +30,49 @@ from tsengine.context import Context
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.linear import accelerate
 from tsengine.sampling import RowParams, filtered_logprobs, gumbel
+from tsengine.spec.drafts import Drafts, Proposal
 from tsengine.spec.tree import Tree, TreeBuilder
 
 
-class Eagle3Drafter:
+class Eagle3Proposer:
     def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str, topk: int = 1,
                  num_nodes: int | None = None, rule: str = "gumbel"):
         self.head, self.steps, self.kv, self.block_size, self.backend = accelerate(head), num_steps, kv, block_size, backend
         self.topk, self.num_nodes, self.rule = topk, num_nodes or num_steps + 1, rule
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+
+    def propose(self, proposal: Proposal) -> list[Drafts | None]:
+        """Extend the draft cache over each run's committed positions with the target features of the rows
+        that produced them (a verify window's accepted path, or a prefill chunk's tokens), then draft for
+        the runs that reached their last token."""
+        runs, rows, ids, last, need = [], [], [], [], proposal.drafting
+        for c in proposal.runs:
+            seq, n = c.seq, len(c.rows)
+            runs.append((seq.table, c.start, n))
+            rows.extend(c.rows)
+            ids.extend(seq.tokens[c.start + 1:c.start + n + 1])
+            if c.drafts_next:
+                last.append(len(rows) - 1)
+        if not runs:
+            return []
+        dev = proposal.aux.device
+        long = dict(dtype=torch.long, device=dev)
+        ctx = Context.build(runs, self.block_size, dev)
+        width = max(len(q.table) for q in need) if need else 0
+        tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
+        rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
+        out = self._extend_and_draft(torch.tensor(ids, **long), proposal.aux[torch.tensor(rows, **long)], ctx,
+                                     torch.tensor(last, **long), tables, rp)
+        if out is None:
+            return []
+        if isinstance(out, Tree):
+            return [Drafts(out.tokens[j, 1:], Tree(None, out.parents[j], out.depths[j], out.ancestors[j]))
+                    for j in range(len(need))]
+        tokens, q = out
+        # q is cloned: a view would keep the whole batch's [D, S, vocab] alive past this request's verify
+        return [Drafts(tokens[j], None, q[j].clone() if q is not None else None,
+                       self.draft_ids_in_target if q is not None else None) for j in range(len(need))]
 
     def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         """One pass of the head's layer over flat tokens: [T] ids, [T, H] hidden -> [T, H] pre-norm out."""
@@ -102,7 +135,7 @@ class Eagle3Drafter:
         return tree
 
     @torch.no_grad()
-    def extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
+    def _extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
                          tables: torch.Tensor, rp: RowParams):
         """Extend the draft cache over ctx's runs, then draft `steps` tokens for the requests whose last
         extended row is `last_rows` [D] (their block tables `tables` [D, M], sampling rows `rp`).

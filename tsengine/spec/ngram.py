@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from tsengine.spec.drafts import Drafts, Proposal
+
 
 def propose(tokens: list[int], steps: int, n_min: int, n_max: int) -> list[int] | None:
     """Up to `steps` tokens continuing the latest earlier match of the longest suffix n-gram, or None."""
@@ -25,16 +27,18 @@ def propose(tokens: list[int], steps: int, n_min: int, n_max: int) -> list[int] 
     return None
 
 
-class NgramDrafter:
+class NgramProposer:
     def __init__(self, num_steps: int, n_min: int, n_max: int, device):
         self.steps, self.n_min, self.n_max, self.device = num_steps, n_min, n_max, device
 
-    def draft(self, seqs) -> None:
-        """Set `seq.drafts` ([steps] target ids, padded by repeating the last proposal) or None."""
-        for seq in seqs:
+    def propose(self, proposal: Proposal) -> list[Drafts | None]:
+        """A chain of `steps` target ids per request (padded by repeating the last proposal), or None."""
+        out = []
+        for seq in proposal.drafting:
             found = propose(seq.tokens, self.steps, self.n_min, self.n_max)
             if found is None:
-                seq.drafts = None
+                out.append(None)
                 continue
             found = found + [found[-1]] * (self.steps - len(found))
-            seq.drafts = torch.tensor(found, dtype=torch.long).to(self.device, non_blocking=True)
+            out.append(Drafts(torch.tensor(found, dtype=torch.long).to(self.device, non_blocking=True)))
+        return out

@@ -1,4 +1,12 @@
-"""The two verification rules at temperature > 0 that keep the target's distribution without reproducing
+"""Verification: every row that draws a token draws it here, and every verify window accepts its path here.
+
+`Verifier.verify` is the engine's one call: it samples the step's rows (keyed Gumbel, the default rule,
+which reproduces plain sampling's seeded tokens), lets the configured rule replace the verify rows' draws,
+walks each window's accepted path, moves accepted tree nodes' KV to chain order, and returns one `Verdict`
+per run. The accept rule is one for every method and shape: a node is accepted when its token is its
+parent's draw and its parent is accepted; the bonus token is the last accepted node's draw.
+
+Below it, the two rules at temperature > 0 that keep the target's distribution without reproducing
 plain sampling's seeded tokens: rejection sampling for a chain, the point-mass multi-round rule for a tree.
 
 Both are written as "the draw each node makes", the same currency as the default Gumbel rule: a node's
@@ -17,9 +25,13 @@ on the accepted path, so the draws along the path stay independent.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tsengine.sampling import uniform
+from tsengine import kv_cache
+from tsengine.sampling import RowParams, filtered_logprobs, gumbel, sample, uniform
+from tsengine.sequence import Status
 
 ACCEPT, RESIDUAL, RESIDUAL_LO = 2, 3, 4  # noise streams
 
@@ -87,3 +99,119 @@ def multiround_draws(logp: torch.Tensor, tokens: torch.Tensor, parents: torch.Te
         done |= take
         r.scatter_(-1, x, torch.where((has & ~take)[..., None], torch.zeros_like(rx), rx))
     return torch.where(done, draw, _residual_draw(r, p, seeds, pos))
+
+
+@dataclass
+class Verdict:
+    """What one run's step decided: the tokens it commits and, for a verify window, the accepted path."""
+
+    tokens: list[int]
+    path: list[int] | None = None  # accepted nodes, root (node 0) first; None: a plain draw
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path) - 1 if self.path is not None else 0
+
+
+def accepted_nodes(draws: torch.Tensor, drafted: torch.Tensor, parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[W, N] bool: node i is accepted when its token is its parent's draw and its parent is accepted. One
+    level deeper per pass (depth ≤ max_depth); for a chain it is the cumulative product of the matches."""
+    match = torch.cat([torch.ones_like(draws[:, :1], dtype=torch.bool), drafted == draws.gather(1, parents)[:, 1:]],
+                      dim=1)
+    ok = match
+    for _ in range(max_depth):
+        ok = match & ok.gather(1, parents)
+    return ok
+
+
+class Verifier:
+    def __init__(self, spec, kv_buf: torch.Tensor, block_size: int, device):
+        self.rule = spec.rule if spec is not None else "gumbel"
+        self.max_depth = spec.num_steps if spec is not None else 0
+        self.topk = spec.eagle_topk if spec is not None else 1
+        self.kv_buf, self.block_size, self.device = kv_buf, block_size, device
+
+    def verify(self, batch, forward) -> list[Verdict | None]:
+        """One `Verdict` per scheduled run (None for a run that draws nothing: a prefill chunk short of the
+        last token). Holds the step's one host sync: the commit needs the tokens."""
+        params, seeds, plain = [], [], []  # per row of forward.logits; plain: rows outside verify windows
+        for s in batch:
+            if s.samples:
+                if not s.verify:
+                    plain.append(len(params))
+                rows = s.num_tokens if s.verify else 1
+                params.extend([s.seq.params] * rows)
+                seeds.extend([s.seq.seed] * rows)
+        rp, pos, w = RowParams.build(params, seeds, self.device), forward.draw_positions, forward.windows
+        noise = None
+        if w is not None and w.is_tree and not rp.all_greedy:
+            noise = self._tree_noise(rp, pos, w, plain, forward.logits.shape[-1])
+        draws = sample(forward.logits, rp, pos, noise)
+        ok = None
+        if w is not None:
+            if self.rule != "gumbel" and not rp.all_greedy:
+                self._rule_draws(draws, forward.logits, rp, pos, w)
+            ok = accepted_nodes(draws[w.logit_rows], w.tokens, w.parents, self.max_depth)
+        draws_h, ok_h = draws.tolist(), (ok.tolist() if ok is not None else [])  # the host sync
+        verdicts, moves, row, window = [], [], 0, 0
+        for s in batch:
+            if s.verify:
+                path = [j for j, good in enumerate(ok_h[window]) if good]  # depth-first: root first
+                verdicts.append(Verdict([draws_h[row + j] for j in path], path))
+                if path[-1] != len(path) - 1 and s.seq.status is not Status.FINISHED:
+                    moves.append((s.seq.table, s.start, path))
+                row, window = row + s.num_tokens, window + 1
+            elif s.samples:
+                verdicts.append(Verdict([draws_h[row]]))
+                row += 1
+            else:
+                verdicts.append(None)
+        if moves:
+            self.move_accepted(moves)
+        return verdicts
+
+    def move_accepted(self, moves: list) -> None:
+        """Accepted tree nodes sit at their node's slot (start + node); move them to start + depth so that
+        everything downstream sees a chain. Blocks the commit trims are not reused before this (same step)."""
+        bs, src, dst = self.block_size, [], []
+        for table, start, path in moves:
+            for depth, node in enumerate(path):
+                if node != depth:
+                    src.append(kv_cache.slot(table, start + node, bs))
+                    dst.append(kv_cache.slot(table, start + depth, bs))
+        long = dict(dtype=torch.long, device=self.device)
+        kv_cache.move_slots(self.kv_buf, torch.tensor(src, **long), torch.tensor(dst, **long))
+
+    def _tree_noise(self, rp: RowParams, pos: torch.Tensor, w, plain: list[int], vocab: int) -> torch.Tensor:
+        """Gumbel noise of every drawing row, hashed once per (seed, position): the nodes of a window at equal
+        depth draw at the same position, so a window needs S+1 noise rows, not N."""
+        dev, s1 = self.device, self.max_depth + 1
+        other = torch.tensor(plain, dtype=torch.long).to(dev, non_blocking=True)
+        vrow, count = w.logit_rows, w.logit_rows.shape[0]
+        index = torch.empty(pos.shape[0], dtype=torch.long, device=dev)
+        index[other] = torch.arange(other.numel(), device=dev)
+        index[vrow] = other.numel() + torch.arange(count, device=dev)[:, None] * s1 + w.depths
+        seeds = torch.cat([rp.seeds[other], rp.seeds[vrow[:, 0]].repeat_interleave(s1)])
+        at = torch.cat([pos[other], (w.starts[:, None] + 1 + torch.arange(s1, device=dev)).flatten()])
+        return gumbel(seeds, at, vocab)[index]
+
+    def _rule_draws(self, draws: torch.Tensor, logits: torch.Tensor, rp: RowParams, pos: torch.Tensor, w) -> None:
+        """Replace the sampled verify rows' draws by the configured rule's (rejection or multiround), in
+        place; greedy rows keep the plain argmax."""
+        (count, n), flat = w.logit_rows.shape, w.logit_rows.flatten()
+        rpw = rp.index(flat)
+        logp = filtered_logprobs(logits[flat], rpw).view(count, n, -1)
+        seeds, at = rpw.seeds.view(count, n)[:, 0], pos[w.logit_rows]
+        if self.rule == "rejection":  # q over the draft vocab, scattered into the target's
+            drafts = w.drafts
+            if any(d.q is None and not s.seq.params.greedy for d, s in zip(drafts, w.runs)):
+                raise RuntimeError("a sampled request reached verification without its recorded q")
+            ids = next(d.q_ids for d in drafts if d.q is not None)
+            empty = logp.new_zeros(n - 1, ids.numel())  # greedy rows: never read (they keep exact matching)
+            q = logp.new_zeros(count, n - 1, logp.shape[-1])
+            q[..., ids] = torch.stack([d.q if d.q is not None else empty for d in drafts])
+            new = rejection_draws(logp, w.tokens, q, seeds, at)
+        else:
+            tokens = torch.cat([w.tokens[:, :1], w.tokens], dim=1)  # node 0's token is never read
+            new = multiround_draws(logp, tokens, w.parents, seeds, at, self.topk)
+        draws[flat] = torch.where(rpw.temperature > 0, new.flatten(), draws[flat])

@@ -9,7 +9,8 @@
 4. decode with the reference generator (the oracle) and the same tree, checked against plain greedy.
 
 If the full recipe has been run (`make train`, ~1 h here), its head is used for step 3 instead.
-Every stage is cached: a second `make demo` only decodes.
+Every stage is cached: a second `make demo` only decodes. It lives in train/ because it drives all three
+parts (training, the engine, the reference) and only training may import the other two.
 """
 
 from __future__ import annotations

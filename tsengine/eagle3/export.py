@@ -5,6 +5,10 @@
 CHECKPOINT is a `checkpoints/step-N` directory or a run directory (its latest complete checkpoint). The
 checkpoint's head weights go through the same validation as a head being loaded for serving, so an
 incomplete or mismatched checkpoint is refused with every problem named, and nothing is written.
+
+It lives beside the head format rather than in train/ because `tsengine export` is an engine command and
+the engine imports nothing from training; so the checkpoint directory layout a head is read from (the
+`step-N` directories, the COMPLETE marker written last) is defined here and the trainer writes to it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from tsengine.eagle3.format import load_head, read_tensors, save_head, validate
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.errors import UserError
 
-NEEDED = ("COMPLETE", "head_config.json", "head.safetensors")
+COMPLETE = "COMPLETE"  # written last into a checkpoint: a directory without it is a kill mid-save
+NEEDED = (COMPLETE, "head_config.json", "head.safetensors")
+
+
+def latest_checkpoint(out_root: Path) -> Path | None:
+    done = sorted(p for p in out_root.glob("step-*") if (p / COMPLETE).exists())
+    return done[-1] if done else None
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -25,8 +35,6 @@ def find_checkpoint(path: str | Path) -> Path:
     if not p.is_dir():
         raise UserError(f"checkpoint {path}: no such directory")
     if (p / "checkpoints").is_dir():
-        from tsengine.train.trainer import latest_checkpoint
-
         latest = latest_checkpoint(p / "checkpoints")
         if latest is None:
             raise UserError(f"checkpoint {path}: the run has no complete checkpoint under checkpoints/")

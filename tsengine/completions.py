@@ -1,0 +1,193 @@
+"""Serving one /v1/completions or /v1/chat/completions request, from its body to its response.
+
+Everything a user can get wrong is an `APIError` raised before the engine starts decoding, so a stream never
+opens for a request that fails; the prompt rules are the engine's own (`Engine.check_prompt`), only the
+limits that involve the request's other fields are checked here. A request with `n` choices is n engine
+requests (tsengine.fanout) sharing one output queue. Every way a request ends early (stop string, client
+gone, error) aborts its engine requests, so blocks come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tsengine import openai_protocol as proto
+from tsengine.async_engine import AsyncEngine, EngineError
+from tsengine.detokenize import ChoiceText
+from tsengine.errors import UserError
+from tsengine.fanout import fan_out
+from tsengine.openai_protocol import APIError
+from tsengine.prometheus import PrometheusMetrics
+from tsengine.sampling import SamplingParams
+
+
+class Completions:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.speculating = engine.engine.spec_steps > 0
+        self.metrics = PrometheusMetrics(engine.engine)
+
+    # ---- input -------------------------------------------------------------------------------------
+    def prompt_ids(self, req) -> tuple[list[int], str]:
+        if isinstance(req, proto.ChatCompletionRequest):
+            try:
+                text = self.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
+                                                          add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # jinja raises for conversations the template refuses
+                raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"], "messages"
+        if isinstance(req.prompt, str):  # as LLM.generate encodes a string prompt
+            return self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"], "prompt"
+        return list(req.prompt), "prompt"
+
+    def check(self, req, ids: list[int], field: str) -> SamplingParams:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", code="model_not_found")
+        try:  # reads only fields fixed at construction: safe off the engine thread
+            self.engine.engine.check_prompt(ids)
+        except UserError as e:
+            raise _bad_request(e, field) from None
+        asked = req.requested_max_tokens
+        if asked is not None and len(ids) + asked > self.max_model_len:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise APIError(400, f"{name}: {asked} plus the {len(ids)} prompt tokens exceeds the context of "
+                           f"{self.max_model_len} tokens (max_model_len)", name)
+        try:
+            return req.sampling_params(len(ids), self.max_model_len)
+        except UserError as e:
+            raise _bad_request(e, field) from None
+
+    # ---- generation -----------------------------------------------------------------------------------
+    async def events(self, rid: str, ids: list[int], params: SamplingParams, choices: list[ChoiceText], field: str,
+                     arrival: float):
+        """Yields None once the engine accepted every choice, then (index, text delta, finish_reason)."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        live: dict[str, int] = {}
+        m = self.metrics
+        try:
+            for i, (sub_id, p) in enumerate(fan_out(rid, params)):
+                try:
+                    await self.engine.open(sub_id, ids, p, outputs)
+                except UserError as e:
+                    raise _bad_request(e, field) from None
+                live[sub_id] = i
+            m.prompt_tokens.inc(len(ids))
+            yield None
+            while live:
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                i = live.get(out.request_id)
+                if i is None:  # a choice already cut by a stop string
+                    continue
+                c, now = choices[i], time.monotonic()
+                if out.new_tokens:
+                    m.generation_tokens.inc(len(out.new_tokens))
+                    (m.itl.observe(now - c.last_token_time) if c.last_token_time is not None
+                     else m.ttft.observe(now - arrival))
+                    c.last_token_time = now
+                c.update(out)
+                if c.finish_reason:
+                    del live[out.request_id]
+                    if not out.finished:
+                        self.engine.abort(out.request_id)
+                    m.success.labels(c.finish_reason).inc()
+                delta = c.pending()
+                if delta or c.finish_reason:
+                    yield i, delta, c.finish_reason
+        finally:
+            for r in live:
+                self.engine.abort(r)
+
+    def usage(self, n_prompt: int, choices: list[ChoiceText]) -> dict:
+        spec = (sum(c.verify_steps for c in choices), sum(c.accepted for c in choices)) if self.speculating else None
+        return proto.usage(n_prompt, sum(c.tokens for c in choices), spec)
+
+    async def handle(self, req, request: Request):
+        chat, arrival = isinstance(req, proto.ChatCompletionRequest), time.monotonic()
+        ids, field = self.prompt_ids(req)
+        params = self.check(req, ids, field)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        choices = [ChoiceText(self.tokenizer, req.stop_strings) for _ in range(params.n)]
+        events = self.events(rid, ids, params, choices, field, arrival)
+        await events.__anext__()  # UserError etc. surface here, before any byte of the response is sent
+        if req.stream:
+            with_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(self.sse(rid, chat, events, len(ids), choices, with_usage),
+                                     media_type="text/event-stream")
+        if not await _unless_disconnected(request, _drain(events)):
+            return Response(status_code=499)  # nobody is listening; the engine requests are aborted
+        return JSONResponse(proto.completion(rid, self.model_name, chat, [c.text for c in choices],
+                                             [c.finish_reason for c in choices], self.usage(len(ids), choices)))
+
+    async def sse(self, rid: str, chat: bool, events, n_prompt: int, choices: list[ChoiceText], with_usage: bool):
+        created, name = int(time.time()), self.model_name
+        data = lambda body: f"data: {json.dumps(body, ensure_ascii=False)}\n\n"  # noqa: E731
+        try:
+            if chat:  # OpenAI opens every chat choice with the assistant role
+                yield data(proto.chunk(rid, name, chat, created, [proto.chunk_choice(chat, i, "", None, role=True)
+                                                                   for i in range(len(choices))], with_usage))
+            async for i, delta, reason in events:
+                yield data(proto.chunk(rid, name, chat, created, [proto.chunk_choice(chat, i, delta, reason)],
+                                       with_usage))
+            if with_usage:
+                yield data(proto.chunk(rid, name, chat, created, [], True, self.usage(n_prompt, choices)))
+        except (APIError, EngineError) as e:  # headers are sent: report in-band, as OpenAI does
+            yield data(proto.error_body(getattr(e, "message", str(e)), "internal_error"))
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+
+async def _drain(events) -> bool:
+    async for _ in events:
+        pass
+    return True
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run `work`, cancelling it (its finally aborts the engine requests) if the client goes away first;
+    None then. Starlette notices a disconnect only while streaming, so a plain response needs this."""
+    task = asyncio.ensure_future(work)
+
+    async def gone():
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a server that cannot tell us: never claim a disconnect
+            await asyncio.Future()
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+_FIELDS = set(proto.ChatCompletionRequest.model_fields) | set(proto.CompletionRequest.model_fields)
+
+
+def _bad_request(e: UserError, prompt_field: str) -> APIError:
+    """A UserError as a 400 naming the request field it is about. The engine says "prompt:" for what the
+    client may have sent as `messages`; other errors name their field inside ("... - temperature is -1")."""
+    message = str(e)
+    if message.startswith("prompt:"):
+        return APIError(400, prompt_field + message[len("prompt"):], prompt_field)
+    m = re.search(r"(?:^|- )(\w+)(?: is|:)", message)
+    return APIError(400, message, m.group(1) if m and m.group(1) in _FIELDS else None)

@@ -1,0 +1,53 @@
+"""What the server's /metrics endpoint exposes, under vLLM's metric names with a `tsengine:` prefix.
+
+Engine counters (speculation acceptance, queue sizes, KV use) are read from the engine at scrape time
+rather than copied on every step; request-level counters and latency histograms are fed by the server
+as outputs reach it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _EngineCollector:
+    """Engine counters read at scrape time (ints written by the engine thread; a read is atomic)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e, st = self.engine, self.engine.stats
+        for name, value, doc in (("num_drafts", st.num_drafts, "verify steps (draft chains checked)"),
+                                 ("num_draft_tokens", st.num_draft_tokens, "draft tokens proposed"),
+                                 ("num_accepted_tokens", st.num_accepted, "draft tokens accepted")):
+            yield CounterMetricFamily(f"tsengine:spec_decode_{name}", f"Speculative decoding: {doc}.", value=value)
+        per = CounterMetricFamily("tsengine:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by draft position.", labels=["position"])
+        for i, v in enumerate(list(st.accepted_per_pos)):
+            per.add_metric([str(i)], v)
+        yield per
+        sched, blocks = e.scheduler, e.runner.blocks
+        yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=len(sched.running))
+        yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=len(sched.waiting))
+        yield GaugeMetricFamily("tsengine:kv_cache_usage_perc", "Fraction of KV blocks in use.",
+                                value=1 - blocks.num_free / max(1, blocks.num_blocks))
+
+
+class PrometheusMetrics:
+    """One registry per server (not the global default), so several apps in one process do not collide."""
+
+    def __init__(self, engine):
+        self.registry = r = CollectorRegistry()
+        r.register(_EngineCollector(engine))
+        self.success = Counter("tsengine:request_success", "Finished choices.", ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("tsengine:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("tsengine:generation_tokens", "Tokens generated.", registry=r)
+        self.ttft = Histogram("tsengine:time_to_first_token_seconds", "Arrival to first token.", registry=r,
+                              buckets=(.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10,
+                                       20, 40, 80, 160, 640))
+        self.itl = Histogram("tsengine:inter_token_latency_seconds",
+                             "Time between two outputs of a request (one output may carry several accepted "
+                             "tokens).", registry=r,
+                             buckets=(.01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5, 5, 7.5, 10, 20))

@@ -1,0 +1,119 @@
+"""The typed hand-offs between the engine and speculation: what a proposer gets, what it gives back, and the
+step's verify windows stacked for the target forward and the verifier.
+
+    commit ──Proposal──▶ Proposer.propose ──Drafts per request──▶ Sequence.drafts
+    schedule ──Scheduled(verify)──▶ Windows.stack ──▶ ModelRunner (inputs, tree attention) ──▶ Verifier
+
+A chain is the tree whose node i has parent i − 1 (`Tree.chain`), so the verifier has one acceptance rule
+for both; a chain's `Drafts.tree` is None only so that its windows keep plain causal attention (no
+bitmask) and nothing is stacked per request.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from tsengine.spec.tree import Tree
+
+if TYPE_CHECKING:
+    from tsengine.scheduler import Scheduled
+    from tsengine.sequence import Sequence
+
+
+@dataclass
+class Drafts:
+    """One request's proposal for its next verify window (device tensors; the engine never reads them)."""
+
+    tokens: torch.Tensor  # [N-1] drafted target ids, node 1.. in depth-first order
+    tree: Tree | None = None  # [N] parents / depths / ancestor bits of this request's tree; None: a chain
+    q: torch.Tensor | None = None  # [N-1, Vq] the draft's distribution at each node (the rejection rule only)
+    q_ids: torch.Tensor | None = None  # [Vq] the target id of each column of q (the draft vocab)
+
+
+@dataclass
+class Committed:
+    """A run whose positions [start, start + len(rows)) were committed this step: the proposer extends its
+    own state over them (`rows`: their rows in the step's flat forward, i.e. of `Proposal.aux`)."""
+
+    seq: "Sequence"
+    start: int
+    rows: list[int]
+    drafts_next: bool  # the run ended at the request's last token: it gets drafts for its next window
+
+
+@dataclass
+class Proposal:
+    runs: list[Committed]
+    aux: torch.Tensor | None  # [T, A] the target features of the step's forward (None without aux layers)
+
+    @property
+    def drafting(self) -> list["Sequence"]:
+        """The requests `Proposer.propose` returns drafts for, in this order."""
+        return [c.seq for c in self.runs if c.drafts_next]
+
+
+class Proposer(Protocol):
+    """A speculation method: EAGLE-3 (`spec/eagle3.py`), NGRAM (`spec/ngram.py`); a new one is one class."""
+
+    def propose(self, proposal: Proposal) -> list[Drafts | None]:
+        """Drafts for each request of `proposal.drafting` (None: decode it plainly next step)."""
+
+
+class NoProposer:
+    """Plain decoding: nothing is ever drafted."""
+
+    def propose(self, proposal: Proposal) -> list[Drafts | None]:
+        return []
+
+
+@functools.lru_cache(maxsize=8)
+def _chain(n: int, device) -> Tree:
+    """The one chain of N nodes per device, shared by every step (read only)."""
+    return Tree.chain(1, n, device)
+
+
+@dataclass
+class Windows:
+    """The step's W verify windows of N nodes, stacked once for the forward and the verifier."""
+
+    flat_rows: torch.Tensor  # [W, N] rows of the flat forward batch (node 0: the last committed token)
+    logit_rows: torch.Tensor  # [W, N] rows of the step's logits
+    starts: torch.Tensor  # [W] KV index of node 0 (the request's num_cached)
+    tokens: torch.Tensor  # [W, N-1] drafted target ids
+    parents: torch.Tensor  # [W, N]
+    depths: torch.Tensor | None  # [W, N]; None: every window is a chain (depth = node index)
+    ancestors: torch.Tensor | None  # [W, N]; None likewise
+    runs: list["Scheduled"]  # the verify runs, in window order
+
+    @property
+    def drafts(self) -> list[Drafts]:
+        return [s.seq.drafts for s in self.runs]
+
+    @property
+    def is_tree(self) -> bool:
+        return self.depths is not None
+
+    @staticmethod
+    def stack(at: list[tuple["Scheduled", int, int]], device) -> "Windows":
+        """`at`: the step's verify runs, each with its first row in the flat forward and in the logits."""
+        runs = [s for s, _, _ in at]
+        drafts = [s.seq.drafts for s in runs]
+        n = drafts[0].tokens.numel() + 1
+        long = dict(dtype=torch.long, device=device)
+        ar = torch.arange(n, device=device)
+        flat = torch.tensor([row for _, row, _ in at], **long)[:, None] + ar
+        logit = torch.tensor([row for _, _, row in at], **long)[:, None] + ar
+        starts = torch.tensor([s.start for s in runs], **long)
+        tokens = torch.stack([d.tokens for d in drafts])
+        if all(d.tree is None for d in drafts):
+            return Windows(flat, logit, starts, tokens, _chain(n, device).parents.expand(len(runs), n), None, None,
+                           runs)
+        chain = _chain(n, device)
+        trees = [d.tree if d.tree is not None else Tree(None, chain.parents[0], chain.depths[0], chain.ancestors[0])
+                 for d in drafts]
+        parents, depths, anc = (torch.stack(x) for x in zip(*((t.parents, t.depths, t.ancestors) for t in trees)))
+        return Windows(flat, logit, starts, tokens, parents, depths, anc, runs)
