@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random targets (built once per session) and the embedded SmolLM2 (real_model)."""
+"""Shared fixtures: tiny random targets (built once per session), a saved random head per tiny target (once
+per module) and the embedded SmolLM2 (real_model).
+
+Fixtures only: pytest finds them without an import, and no test module imports this file (shared plain
+helpers are in helpers.py, test-only oracles in oracles.py; tests/test_layers.py checks it)."""
 
 from __future__ import annotations
 
@@ -9,10 +13,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 import pytest
 import torch
 
+from tests.helpers import random_head
 from tests.tiny import make_target
-from tsengine.eagle3.config import Eagle3Config
-from tsengine.eagle3.head import Eagle3Head
-from tsengine.eagle3.vocab import vocab_map
+from tsengine.eagle3.format import save_head
 
 
 @pytest.fixture(scope="session")
@@ -28,13 +31,15 @@ def tiny_models(tiny_dirs):
     return {kind: load_target(str(d)) for kind, d in tiny_dirs.items()}
 
 
-def random_head(model, seed: int = 0, draft_vocab_size: int | None = None, counts=None) -> Eagle3Head:
-    cfg = Eagle3Config.for_target(model.config, draft_vocab_size=draft_vocab_size)
-    head = Eagle3Head(cfg)
-    head.init_weights(seed)
-    head.set_vocab_map(*vocab_map(cfg.vocab_size, cfg.draft_vocab_size, counts))
-    head.bind_embeddings(model.get_input_embeddings().weight)
-    return head.eval()
+@pytest.fixture(scope="module")
+def heads(tiny_dirs, tiny_models, tmp_path_factory):
+    """A random head per tiny target with decisive logits (std 0.3: no near-ties among drafts)."""
+    out = {}
+    for kind, (model, _) in tiny_models.items():
+        head = random_head(model, seed=3, draft_vocab_size=256)
+        head.init_weights(3, std=0.3)
+        out[kind] = save_head(head, tmp_path_factory.mktemp(f"head-{kind}"))
+    return out
 
 
 @pytest.fixture(scope="session")

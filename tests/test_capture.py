@@ -195,7 +195,7 @@ def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_mode
     from tsengine.train.prepare_data import load_prepared
     from tsengine.train.batching import collate
     from tsengine.train.trainer import TTTModel
-    from tests.conftest import random_head
+    from tests.helpers import random_head
 
     model, tok = tiny_models["llama"]
     rows = answer_rows(prompt_rows(6)[:-1], 0.0)

@@ -12,31 +12,11 @@ import pytest
 import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
-from tests.conftest import random_head
+from tests.helpers import PROMPTS, greedy_truth, make_llm
 from tsengine.context import Context
-from tsengine.eagle3.format import save_head
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
-
-PROMPTS = [[5, 17, 33, 2, 9, 100, 41, 7, 8, 9, 10], [7, 8, 9], list(range(40, 75)), [300, 12] * 9]
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_dirs, tiny_models, tmp_path_factory):
-    """A random head per tiny target with decisive logits (std 0.3: no near-ties among drafts)."""
-    out = {}
-    for kind, (model, _) in tiny_models.items():
-        head = random_head(model, seed=3, draft_vocab_size=256)
-        head.init_weights(3, std=0.3)
-        out[kind] = save_head(head, tmp_path_factory.mktemp(f"head-{kind}"))
-    return out
-
-
-def make_llm(tiny_dirs, kind="llama", head=None, steps=3, **kw):
-    kw = {"debug_checks": True, "block_size": 4, "max_num_batched_tokens": 16, **kw}
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": steps} if head else None
-    return LLM(str(tiny_dirs[kind]), speculative_config=spec, **kw)
 
 
 class OracleDrafts:
@@ -87,19 +67,13 @@ def test_logits_and_aux_match_hf(tiny_dirs, tiny_models, heads, kind):
 
 
 # ---- lossless speculation ---------------------------------------------------------------------------------
-def _greedy_truth(tiny_dirs, kind, n):
-    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    outs = make_llm(tiny_dirs, kind).generate(PROMPTS, sp)
-    return {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)}
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("steps", [1, 3, 5])
 def test_greedy_spec_equals_greedy_mixed_batch(tiny_dirs, tiny_models, heads, kind, steps):
     """Spec on == spec off, token for token, for a batch of different lengths with chunked prefill, with
     drafts that are accepted to every depth; and spec off == HF full-recompute greedy (near-tie rule)."""
     hf, _ = tiny_models[kind]
-    truth = _greedy_truth(tiny_dirs, kind, 40)
+    truth = greedy_truth(tiny_dirs, kind, 40)
     llm = make_llm(tiny_dirs, kind, heads[kind], steps=steps)
     oracle = OracleDrafts(llm.engine, truth, seed=steps)
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tsengine.infer.reference import compare_to_greedy, greedy_generate
-from tests.conftest import random_head
+from tests.helpers import random_head
 from tsengine.context import Context
 from tsengine.eagle3.format import save_head
 from tsengine.llm import LLM

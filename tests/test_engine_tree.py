@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape
-from tests.test_engine import PROMPTS, _greedy_truth, heads  # noqa: F401  (the fixture)
-from tests.test_triton_attention import dense_attention
+from tests.helpers import PROMPTS, greedy_truth
 from tsengine.attention import paged_attention_torch
 from tsengine.config import SpeculativeConfig
 from tsengine.context import Context
@@ -74,8 +73,8 @@ class OracleTreeDrafts:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_tree_greedy_equals_greedy_mixed_batch(tiny_dirs, heads, kind, shape):  # noqa: F811
-    truth = _greedy_truth(tiny_dirs, kind, 40)
+def test_tree_greedy_equals_greedy_mixed_batch(tiny_dirs, heads, kind, shape):
+    truth = greedy_truth(tiny_dirs, kind, 40)
     llm = make_llm(tiny_dirs, kind, heads[kind], shape)
     oracle = OracleTreeDrafts(llm.engine, truth, seed=shape[1])
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
@@ -87,7 +86,7 @@ def test_tree_greedy_equals_greedy_mixed_batch(tiny_dirs, heads, kind, shape):  
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_tree_seeded_sampling_is_identical_to_plain(tiny_dirs, heads, kind):  # noqa: F811
+def test_tree_seeded_sampling_is_identical_to_plain(tiny_dirs, heads, kind):
     params = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=11),
               SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_tokens=25, ignore_eos=True, seed=5),
               SamplingParams(temperature=0.7, min_p=0.05, max_tokens=30, ignore_eos=True, seed=2**40 + 3),
@@ -107,7 +106,7 @@ def test_tree_seeded_sampling_is_identical_to_plain(tiny_dirs, heads, kind):  # 
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_engine_tree_equals_the_reference_drafter(tiny_dirs, tiny_models, heads, shape):  # noqa: F811
+def test_engine_tree_equals_the_reference_drafter(tiny_dirs, tiny_models, heads, shape):
     """After prefill (chunked), the engine's tree (tokens, parents, depth-first order) equals
     infer/reference's EAGLE-2 tree for the same committed tokens."""
     hf, _ = tiny_models["llama"]
@@ -231,7 +230,7 @@ def test_invalid_tree_shapes_list_every_violation(topk, steps, n, msgs):
 def test_support_check_lists_every_blocker(tiny_dirs, tiny_models, tmp_path):
     """Rejection sampling asked of a tree, with topk above the head's draft vocab: one refusal, both
     blockers named (sampler and drafter), before any weight of the target is loaded."""
-    from tests.conftest import random_head
+    from tests.helpers import random_head
     from tsengine.eagle3.format import save_head
 
     small = save_head(random_head(tiny_models["llama"][0], seed=1, draft_vocab_size=8), tmp_path / "small")
@@ -272,10 +271,10 @@ def test_full_64_node_windows(kernel, dtype):
     torch.testing.assert_close(out.double(), dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=tol, rtol=tol)
 
 
-def test_tree_greedy_on_the_triton_backend(tiny_dirs, heads):  # noqa: F811
+def test_tree_greedy_on_the_triton_backend(tiny_dirs, heads):
     """The whole engine with tree windows and draft lanes through the Triton kernels (interpreted here):
     greedy output equals plain greedy, accepted paths off the first-child line included."""
-    truth = _greedy_truth(tiny_dirs, "llama", 12)
+    truth = greedy_truth(tiny_dirs, "llama", 12)
     llm = make_llm(tiny_dirs, "llama", heads["llama"], (3, 2, 6), attention_backend="triton")
     assert llm.engine.runner.backend == "triton"
     oracle = OracleTreeDrafts(llm.engine, truth, seed=2)
@@ -285,7 +284,7 @@ def test_tree_greedy_on_the_triton_backend(tiny_dirs, heads):  # noqa: F811
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 4), *SHAPES], ids=str)
-def test_default_kv_cache_holds_every_request_to_the_last_token(tiny_dirs, heads, shape):  # noqa: F811
+def test_default_kv_cache_holds_every_request_to_the_last_token(tiny_dirs, heads, shape):
     """The default CPU cache is sized for max_num_seqs requests at max_model_len with speculation's own
     positions (a verify window at the last allowed token plus the drafter's reserve,
     `startup.positions_per_request`): requests running together to the last token are never preempted. A

@@ -14,7 +14,7 @@ import torch
 
 from tsengine.infer import eval as ev
 from tsengine.infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
-from tests.conftest import random_head
+from tests.helpers import random_head
 from tsengine.eagle3.format import save_head
 from tsengine.spec.eagle3 import Eagle3Proposer
 from tsengine.targets import eos_ids

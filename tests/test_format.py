@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import random_head
+from tests.helpers import random_head
 from tsengine.eagle3.format import EXPORT_KEYS, load_head, save_head
 from tsengine.errors import UserError
 

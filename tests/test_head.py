@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from tests.conftest import random_head
+from tests.helpers import random_head
 from tsengine.eagle3.config import Eagle3Config, default_aux_layer_ids
 from tsengine.eagle3.head import Eagle3Head, aux_hidden_states
 
@@ -127,8 +127,6 @@ def test_rope_follows_the_target_config(name):
 
 
 def test_init_from_target_copies_the_read_out_of_draft_ids(tiny_models):
-    from tests.conftest import random_head
-
     model, _ = tiny_models["qwen3"]
     head = random_head(model, seed=4, draft_vocab_size=50, counts=torch.rand(model.config.vocab_size))
     head.init_from_target(model)

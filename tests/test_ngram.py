@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_engine import PROMPTS, _greedy_truth
+from tests.helpers import PROMPTS, greedy_truth
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -32,7 +32,7 @@ def test_ngram_greedy_equals_greedy_mixed_batch(tiny_dirs, kind):
     """The prompts repeat n-grams, so requests verify NGRAM drafts; the output equals plain greedy token for
     token, and seeded sampling too. (A random tiny model rarely repeats itself, so acceptance is measured
     on SmolLM2 in bench/engine_speed.py, not asserted here.)"""
-    truth = _greedy_truth(tiny_dirs, kind, 40)
+    truth = greedy_truth(tiny_dirs, kind, 40)
     llm = ngram_llm(tiny_dirs, kind)
     out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in out] == [truth[tuple(p)] for p in PROMPTS]

@@ -13,25 +13,11 @@ import pytest
 import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
-from tests.test_reference import assert_lossless
+from tests.helpers import assert_lossless, write_rows
 from tsengine.eagle3.format import load_head
 from tsengine.targets import encode_prompt, eos_ids
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = "the water one number how long two people call first who may down side been now find".split()
-
-
-def write_rows(path: Path, n: int, seed: int, with_answers: bool) -> Path:
-    import random
-
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(n):
-            msgs = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))}]
-            if with_answers:
-                msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 20)))})
-            f.write(json.dumps({"id": f"r{seed}-{i}", "messages": msgs}) + "\n")
-    return path
 
 
 def recipe(tmp: Path, target: Path, **over) -> Path:

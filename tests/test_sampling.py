@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.helpers import chi2_pvalue
 from tsengine.kv_cache import BlockManager
 from tsengine.sampling import RowParams, SamplingParams, filtered_logprobs, sample, uniform
 
@@ -25,13 +26,6 @@ def test_gumbel_max_samples_the_softmax():
     observed = torch.bincount(draws, minlength=8).double()
     expected = torch.softmax(logits.double() / t, -1) * n
     assert chi2_pvalue(observed, expected) > 1e-3
-
-
-def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor) -> float:
-    """Pearson's χ² test: survival function of χ²(k - 1) = the regularized upper incomplete gamma."""
-    stat = ((observed - expected) ** 2 / expected).sum()
-    df = observed.numel() - 1
-    return torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2).item()
 
 
 def test_chi2_pvalue_rejects_a_wrong_distribution():

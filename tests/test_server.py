@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from tests.conftest import random_head
+from tests.helpers import random_head
 from tsengine.async_engine import AsyncEngine
 from tsengine.config import EngineConfig, SpeculativeConfig
 from tsengine.eagle3.format import save_head

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
-from tests.conftest import random_head
-from tests.test_reference import assert_lossless
+from tests.helpers import ScriptedDrafter, assert_lossless, random_head
 from tsengine.errors import UserError
 from tsengine.targets import MARKER, encode_prompt, eos_ids, pull
 
@@ -67,7 +66,6 @@ def test_lossless_on_smollm2(smollm2, shape):
 
 def test_acceptance_paths_on_smollm2(smollm2):
     """A random head rarely gets accepted; a scripted tree with known-correct paths exercises acceptance."""
-    from tests.test_reference import ScriptedDrafter
 
     _, model, tok = smollm2
     shape = SpecShape(4, 4, 16)

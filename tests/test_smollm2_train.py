@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
-from tests.test_reference import assert_lossless
+from tests.helpers import assert_lossless
 from tsengine.eagle3.format import load_head
 from tsengine.targets import encode_prompt, eos_ids
 

@@ -15,8 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.test_engine import heads  # noqa: F401  (fixture)
-from tests.test_sampling import chi2_pvalue
+from tests.helpers import PROMPTS, chi2_pvalue
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -193,7 +192,7 @@ RULES = {  # name: (speculative_config additions, oracle)
 
 
 @pytest.mark.parametrize("rule", list(RULES))
-def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models, heads, rule):  # noqa: F811
+def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models, heads, rule):
     """20,000 seeds, one prompt: the joint of the first three tokens (t1 from the prefill's plain draw, t2
     and t3 from verification, accepted drafts or residual/bonus draws) passes χ² against HF's exact joint."""
     extra, oracle = RULES[rule]
@@ -215,11 +214,9 @@ def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models
 
 
 @pytest.mark.parametrize("extra", [RULES["rejection-chain"][0], RULES["multiround-tree"][0]], ids=["rejection", "multiround"])
-def test_rules_keep_greedy_exact_and_seeds_reproducible(tiny_dirs, heads, extra):  # noqa: F811
+def test_rules_keep_greedy_exact_and_seeds_reproducible(tiny_dirs, heads, extra):
     """In a mixed batch, greedy rows under either rule equal plain greedy decoding token for token, and a
     seeded sampled request returns the same tokens when run again in another batch."""
-    from tests.test_engine import PROMPTS
-
     spec = {"method": "eagle3", "model": str(heads["llama"]), **extra}
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=s) for s in (3, 4)]
@@ -231,7 +228,7 @@ def test_rules_keep_greedy_exact_and_seeds_reproducible(tiny_dirs, heads, extra)
     assert [a[i].outputs[0].token_ids for i in (1, 3)] == [o.outputs[0].token_ids for o in b]
 
 
-def test_speculative_sampling_blockers(tiny_dirs, heads):  # noqa: F811
+def test_speculative_sampling_blockers(tiny_dirs, heads):
     """Rejection sampling is a chain rule with a recorded q (not NGRAM, not a tree); multiround is the tree's."""
     cases = [({"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2, "eagle_topk": 2,
                "num_draft_tokens": 5, "enable_speculative_sampling": True}, ["use --spec-tree-sampling multiround"]),
@@ -264,7 +261,7 @@ def test_rule_flags_resolve_and_conflict():
         SpeculativeConfig.resolve("EAGLE3", "/h", 3, tree_sampling="beam")
 
 
-def test_recorded_q_memory_is_accounted(tiny_dirs, heads, caplog):  # noqa: F811
+def test_recorded_q_memory_is_accounted(tiny_dirs, heads, caplog):
     """Rejection sampling reserves max_num_seqs x steps x (draft vocab + vocab) x 4 bytes before the KV
     cache is sized, and says so at startup."""
     spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2,

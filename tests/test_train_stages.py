@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_pipeline import write_rows
+from tests.helpers import write_rows
 from tsengine.train import recipe as recipes
 from tsengine.train.dump_features import dump, finalize
 from tsengine.train.features import FeatureStore, TargetFeatures
@@ -179,7 +179,7 @@ def test_dump_two_ranks_resume_and_checksum(tiny_models, tmp_path):
 def test_export_refuses_incomplete_or_mismatched_checkpoints(tiny_dirs, tiny_models, tmp_path):
     from safetensors.torch import save_file
 
-    from tests.conftest import random_head
+    from tests.helpers import random_head
     from tsengine.eagle3.export import export_checkpoint
 
     model, _ = tiny_models["llama"]

@@ -16,6 +16,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: the triton attention backend cannot run")
 
+from tests.oracles import dense_attention  # noqa: E402
 from tsengine.attention import paged_attention, paged_attention_torch, write_kv  # noqa: E402
 from tsengine.context import Context  # noqa: E402
 from tsengine.kernels.paged_attention import _decode, _prefill, paged_attention_triton  # noqa: E402
@@ -47,22 +48,6 @@ def make_batch(specs, block_size, nh, nkv, d, dtype, seed=0, spare_blocks=3):
              torch.randn(full.num_tokens, nkv, d, generator=g), full)
     q = torch.randn(ctx.num_tokens, nh, d, generator=g).to(dtype)
     return q, k_cache, v_cache, ctx
-
-
-def dense_attention(q, k_cache, v_cache, ctx, scale):
-    """Plain loop in float64: per token, gather its request's keys 0..position through the block table."""
-    bs, nh, nkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for t in range(ctx.num_tokens):
-        b, p = int(ctx.seq_index[t]), int(ctx.positions[t])
-        js = range(min(p + 1, int(ctx.context_lens[b])))
-        slots = [(int(ctx.block_tables[b, j // bs]), j % bs) for j in js]
-        k = torch.stack([k_cache[blk, off] for blk, off in slots]).double()  # [n, nkv, d]
-        v = torch.stack([v_cache[blk, off] for blk, off in slots]).double()
-        k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[t].double(), k) * scale, -1)
-        out[t] = torch.einsum("hn,nhd->hd", w, v)
-    return out
 
 
 def run(kernel, q, k_cache, v_cache, ctx, scale):

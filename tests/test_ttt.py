@@ -4,9 +4,10 @@ draft forward, and the chunked loss equals a naive per-position loss (values and
 import pytest
 import torch
 
-from tests.conftest import random_head
-from tsengine.train.loss import naive_step_loss, step_loss, teacher, valid_positions
-from tsengine.train.ttt import naive_unroll, ttt_mask, unroll
+from tests.helpers import random_head
+from tests.oracles import naive_step_loss, naive_unroll
+from tsengine.train.loss import step_loss, teacher, valid_positions
+from tsengine.train.ttt import ttt_mask, unroll
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ Cost and memory: the teacher softmax is formed once per position (not once per s
 are scored, and the draft logits are formed one chunk at a time with their gradient in the same pass
 (`_FusedSoftCE`), so [tokens, vocab] fp32 exists for one chunk of one step at a time; the only
 batch-wide vocab-sized tensor is the teacher [taught positions, draft vocab], shared by all steps.
+
+The test oracle, `naive_step_loss` (a plain loop over positions), is in tests/oracles.py.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tsengine.train.ttt import shift
 
@@ -100,21 +101,3 @@ def step_loss(head, out: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor,
         ce_sum, arg = _FusedSoftCE.apply(rows, head.lm_head.weight, p, chunk)
     correct = (arg == p.argmax(-1)).sum().float()  # same draft id <=> same target id (d2t is injective)
     return StepStats(ce_sum / n, torch.tensor(float(n), device=out.device), correct)
-
-
-def naive_step_loss(head, out, final, loss_mask, target_argmax, target_lm_rows, k):
-    """The oracle: a plain loop over positions with the head's own `logits` (tests only)."""
-    total, n, correct = 0.0, 0, 0
-    b, t, _ = out.shape
-    ids = torch.arange(head.config.draft_vocab_size) + head.d2t
-    for bi in range(b):
-        for i in range(t):
-            j = i + k + 2
-            if j >= t or not loss_mask[bi, j] or not head.t2d[target_argmax[bi, j - 1]]:
-                continue
-            logq = F.log_softmax(head.logits(out[bi, i]).float(), -1)
-            p = F.softmax(final[bi, j - 1].float() @ target_lm_rows.float().t(), -1)
-            total = total - (p * logq).sum()
-            n += 1
-            correct += int(ids[logq.argmax()] == ids[p.argmax()])
-    return (total / n if n else torch.tensor(0.0)), n, correct

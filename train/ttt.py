@@ -6,7 +6,7 @@ position t+k, attending to the step-0 keys of positions 0..t (the committed pref
 of steps 1..k at the same base t (its ancestors in the chain). Training reproduces exactly that for every
 base t in parallel: the keys of step j are one [T] block, and the mask over [step 0 | step 1 | ... | k]
 is [causal | identity | ... | identity]. One SDPA call per step; `naive_unroll` (a per-position loop over
-the head's dense chain forward, i.e. the reference drafter's semantics) is the test oracle.
+the head's dense chain forward, i.e. the reference drafter's semantics) is the test oracle, in tests/oracles.py.
 """
 
 from __future__ import annotations
@@ -54,29 +54,4 @@ def unroll(head: Eagle3Head, embed: torch.Tensor, hidden0: torch.Tensor, input_i
                                            enable_gqa=kk.shape[1] != q.shape[1])
         hidden = head.midlayer.finish(o, hidden)
         outs.append(hidden)
-    return outs
-
-
-@torch.no_grad()
-def naive_unroll(head: Eagle3Head, embed: torch.Tensor, hidden0: torch.Tensor, input_ids: torch.Tensor,
-                 steps: int) -> list[torch.Tensor]:
-    """The oracle: for every base t, draft a chain with the head's dense causal forward, one step at a
-    time, exactly as the reference generator does (prefix keys from step 0, then its own chain)."""
-    b, t, _ = hidden0.shape
-    outs = [torch.zeros_like(hidden0) for _ in range(steps)]
-    for bi in range(b):
-        ids = input_ids[bi]
-        for base in range(t):
-            tok = [int(ids[i + 1]) if i + 1 < t else 0 for i in range(base + 1)]
-            hid = [hidden0[bi, i] for i in range(base + 1)]
-            pos = list(range(base + 1))
-            for k in range(steps):
-                emb = F.embedding(torch.tensor([tok]), embed).to(hidden0.dtype)
-                cos, sin = head.rope(torch.tensor([pos]), hidden0)
-                out, _ = head.midlayer(emb, torch.stack(hid)[None], cos, sin)
-                outs[k][bi, base] = out[0, -1]
-                nxt = base + k + 2
-                tok.append(int(ids[nxt]) if nxt < t else 0)
-                hid.append(out[0, -1])
-                pos.append(base + k + 1)
     return outs
