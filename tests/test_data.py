@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from tsengine.train.data import Skipped, build, load_rows, normalize, tokenize
+from tsengine.conversations import load_rows, normalize
+from tsengine.train.data import Skipped, build, tokenize
 
 LLAMA3 = (
     "{{ '<|begin_of_text|>' }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "

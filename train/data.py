@@ -1,8 +1,7 @@
 """Chat data -> token ids + an assistant-only loss mask, through the target tokenizer's own chat template.
 
 Rows are read and normalized by tsengine.conversations (ShareGPT or OpenAI shape, JSON / JSONL / Parquet),
-which evaluation shares; `load_rows` and `normalize` are imported here so the stages read rows through
-the module they tokenize with.
+which evaluation shares.
 
 The mask is derived from the rendered text, so any template works without per-model regexes: every
 message's content is located in order in the full rendering (templates may trim it, and may re-render
@@ -18,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from tsengine.conversations import load_rows, normalize
+from tsengine.conversations import normalize
 
 
 @dataclass

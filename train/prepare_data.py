@@ -12,7 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tsengine.train.data import build, load_rows
+from tsengine.conversations import load_rows
+from tsengine.train.data import build
 from tsengine.train.stages import StageDir, digest, is_done, tokenizer_digest
 from tsengine.errors import UserError, run_main
 

@@ -24,7 +24,8 @@ from typing import Any, Iterable
 import torch
 from tqdm import tqdm
 
-from tsengine.train.data import Skipped, load_rows, normalize
+from tsengine.conversations import load_rows, normalize
+from tsengine.train.data import Skipped
 from tsengine.errors import UserError, run_main
 
 

@@ -21,7 +21,7 @@ def source_splits(r, root: Path) -> tuple[list, list]:
     (`data.synthetic_prompts`) come on top of it, all of them, as many as the user asked for."""
     import hashlib
 
-    from tsengine.train.data import load_rows
+    from tsengine.conversations import load_rows
     from tsengine.train.regenerate import row_id
 
     def rows_of(source: str, split: str) -> list:
