@@ -39,9 +39,11 @@ def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
     if spec.algorithm == "NGRAM" and spec.is_tree:
         problems.append(f"drafter NGRAM: drafts a chain (one continuation per match); speculative_eagle_topk "
                         f"{spec.eagle_topk} needs EAGLE3")
-    if draft_vocab_size is not None and spec.eagle_topk > draft_vocab_size:
-        problems.append(f"drafter EAGLE3: speculative_eagle_topk {spec.eagle_topk} exceeds the head's draft vocab "
-                        f"size {draft_vocab_size}")
+    if draft_vocab_size is not None:  # the shape itself was checked with the config: only the head's limit is new
+        from tsengine.config import tree_shape_problems
+
+        problems += [f"drafter EAGLE3: {p}" for p in tree_shape_problems(
+            spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, draft_vocab_size=draft_vocab_size)]
     return problems
 
 
