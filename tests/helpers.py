@@ -129,3 +129,23 @@ def write_rows(path: Path, n: int, seed: int, with_answers: bool) -> Path:
                 msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 20)))})
             f.write(json.dumps({"id": f"r{seed}-{i}", "messages": msgs}) + "\n")
     return path
+
+
+class DraftRewriter:
+    """Stands in for an engine's proposer: the real proposer drafts (so its caches and tree shapes stay
+    real), then `rewrite(seqs, drafts)` replaces the drafts of the requests that got any."""
+
+    def __init__(self, engine):
+        self.engine, self.inner = engine, engine.proposer
+        engine.proposer = self
+
+    def propose(self, proposal):
+        out = self.inner.propose(proposal)
+        got = [(s, d) for s, d in zip(proposal.drafting, out) if d is not None]
+        if not got:
+            return out
+        new = iter(self.rewrite([s for s, _ in got], [d for _, d in got]))
+        return [None if d is None else next(new) for d in out]
+
+    def rewrite(self, seqs: list, drafts: list) -> list:
+        raise NotImplementedError

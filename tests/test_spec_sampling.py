@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.helpers import PROMPTS, chi2_pvalue
+from tests.helpers import PROMPTS, DraftRewriter, chi2_pvalue
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -98,22 +98,17 @@ class Exact:
         return [self.cache[p] for p in prefixes]
 
 
-class OracleChainQ:
+class OracleChainQ(DraftRewriter):
     """Chain drafts sampled from q = (p + w) / 2 restricted to the draft vocab (w a fixed random
     distribution), q recorded for the rejection rule: acceptance is frequent, and neither branch is rare."""
 
     def __init__(self, engine, exact: Exact, seed=0):
-        self.engine, self.exact, self.inner = engine, exact, engine.proposer
-        self.ids = engine.proposer.draft_ids_in_target
+        super().__init__(engine)
+        self.exact, self.ids = exact, self.inner.draft_ids_in_target
         self.g = torch.Generator().manual_seed(seed)
         self.w = torch.softmax(torch.randn(engine.runner.vocab_size, generator=self.g, dtype=torch.float64) * 2, -1)
-        engine.proposer = self
 
-    def propose(self, proposal):
-        out = self.inner.propose(proposal)
-        seqs = [s for s, d in zip(proposal.drafting, out) if d is not None]
-        if not seqs:
-            return out
+    def rewrite(self, seqs, drafts):
         paths, xs, qs = [tuple(s.tokens) for s in seqs], [[] for _ in seqs], [[] for _ in seqs]
         for _ in range(self.engine.spec_steps):
             for j, p in enumerate(self.exact(paths)):
@@ -123,24 +118,19 @@ class OracleChainQ:
                 xs[j].append(x)
                 qs[j].append(q.float())
                 paths[j] = paths[j] + (x,)
-        new = iter(Drafts(torch.tensor(x), None, torch.stack(q), self.ids) for x, q in zip(xs, qs))
-        return [None if d is None else next(new) for d in out]
+        return [Drafts(torch.tensor(x), None, torch.stack(q), self.ids) for x, q in zip(xs, qs)]
 
 
-class OracleTreeTop:
+class OracleTreeTop(DraftRewriter):
     """Keep the head's tree shape; give each node's children the target's likeliest tokens for the node's
     path, best first (deterministic given the prefix, as the multi-round rule's point masses are)."""
 
     def __init__(self, engine, exact: Exact):
-        self.engine, self.exact, self.inner = engine, exact, engine.proposer
-        engine.proposer = self
+        super().__init__(engine)
+        self.exact = exact
 
-    def propose(self, proposal):
-        out = self.inner.propose(proposal)
-        seqs = [s for s, d in zip(proposal.drafting, out) if d is not None]
-        if not seqs:
-            return out
-        trees = [(d.tree.parents.tolist(), d.tree.depths.tolist()) for d in out if d is not None]
+    def rewrite(self, seqs, drafts):
+        trees = [(d.tree.parents.tolist(), d.tree.depths.tolist()) for d in drafts]
         paths = [{0: tuple(s.tokens)} for s in seqs]
         tokens = [[0] * len(t[0]) for t in trees]
         for d in range(1, max(max(t[1]) for t in trees) + 1):  # one batched lookup per depth
@@ -153,8 +143,7 @@ class OracleTreeTop:
                     siblings = [c for c in level[j] if par[c] == par[i]]
                     tokens[j][i] = ranked[(j, par[i])][siblings.index(i)]
                     paths[j][i] = paths[j][par[i]] + (tokens[j][i],)
-        new = iter(torch.tensor(t[1:]) for t in tokens)
-        return [None if d is None else dataclasses.replace(d, tokens=next(new)) for d in out]
+        return [dataclasses.replace(d, tokens=torch.tensor(t[1:])) for d, t in zip(drafts, tokens)]
 
 
 def expected_joint(exact: Exact, prompt, n: int, min_count: float = 5.0):
