@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -117,3 +118,37 @@ def test_engine_flag_mistakes(tiny_dirs, tmp_path, args, needle):
     r = run("-m", "tsengine.cli", "generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x", *spec, *args)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_concurrent_first_pulls_both_succeed(tmp_path, monkeypatch):
+    """Two first pulls at once (two servers starting on a fresh machine): one converts, the other waits
+    for it and reuses the result. Before the lock the loser crashed at `out.rmdir()` (Errno 39)."""
+    import threading
+
+    from tsengine import targets
+
+    conversions = []
+
+    def slow_convert(gguf, out):
+        conversions.append(out)
+        time.sleep(0.3)  # both pulls are inside at once without the lock
+        (out / "model.safetensors").write_bytes(b"stand-in")
+
+    monkeypatch.setattr(targets, "_convert", slow_convert)
+    monkeypatch.setattr(targets, "_find_gguf", lambda spec: tmp_path / "stand-in.gguf")
+    monkeypatch.setattr(targets.metadata, "version", lambda package: "0")
+    dest, results, errors = tmp_path / "model", [], []
+
+    def pull():
+        try:
+            results.append(targets.pull("smollm2-135m", dest, quiet=True))
+        except Exception as e:  # recorded: the assertion below shows it
+            errors.append(e)
+
+    threads = [threading.Thread(target=pull) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and results == [dest, dest] and len(conversions) == 1
+    assert (dest / targets.MARKER).exists() and (dest / "model.safetensors").read_bytes() == b"stand-in"

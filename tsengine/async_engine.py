@@ -8,9 +8,11 @@ waits on the engine and the engine never waits on a slow client.
 
 Aborts travel through the same FIFO as adds, so an abort sent while its add is still queued is applied
 after it: a consumer that goes away at any moment (client disconnect, cancelled task) frees its blocks.
-If the engine raises, every open request fails with `EngineError` (no client waits forever), the trace is
+A step that fails because of one request's data stops that request alone (tsengine/faults.py): its
+stream gets an output with finish_reason "error". Only an engine-wide failure (`EngineFault`, or a bug
+outside the step) fails every open request with `EngineError` (no client waits forever); the trace is
 logged once, and the requests are dropped from the engine; if even that fails the engine is marked dead
-and later requests fail at once.
+and later requests fail at once. The error clients see names no internals: the log has them.
 
 Give a factory rather than an Engine and the engine is built on its own thread. On CPU that matters:
 libgomp throttles its workers' spin-wait as soon as more threads sit in OpenMP pools than there are cores,
@@ -113,6 +115,30 @@ class AsyncEngine:
             raise
         return RequestStream(self, request_id, outputs)
 
+    async def open_many(self, requests: list[tuple[str, list[int], SamplingParams]], outputs: asyncio.Queue
+                        ) -> None:
+        """Submit several requests at once (the n choices of one API request): the engine thread takes them
+        in one batch of commands, so they are admitted to the same step instead of one step apart. All or
+        none: if one is refused (its error is raised), the others are aborted."""
+        loop = asyncio.get_running_loop()
+        accepted = [concurrent.futures.Future() for _ in requests]
+        with self._lock:
+            if self.dead is not None:
+                raise EngineError(f"the engine is not running: {self.dead}")
+            for (rid, ids, params), done in zip(requests, accepted):
+                self._commands.put(("add", rid, list(ids), params, (loop, outputs), done))
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in accepted), return_exceptions=True)
+        except asyncio.CancelledError:
+            for rid, _, _ in requests:
+                self.abort(rid)  # queued after the adds: applied after them
+            raise
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for rid, _, _ in requests:
+                self.abort(rid)
+            raise failed[0]
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[StepOutput]:
         """Outputs of one request as they are produced; leaving the loop early (or being cancelled) aborts it."""
@@ -170,7 +196,7 @@ class AsyncEngine:
         try:
             fn(*args)
         except Exception as e:
-            log.exception("engine failed; failing %d open request(s)", len(self._streams))
+            log.exception("engine-wide failure; failing %d open request(s)", len(self._streams))
             self._recover(e)
 
     def _take_commands(self, block: bool) -> tuple[list, bool]:
@@ -217,7 +243,8 @@ class AsyncEngine:
     def _recover(self, error: Exception) -> None:
         """Fail the open requests, then drop them from the engine so their blocks come back."""
         ids = list(self._streams)
-        self._fail_all(EngineError(f"the engine failed while running this request: {error!r}"))
+        self._fail_all(EngineError("the engine failed (an engine-wide error, not this request's); every open "
+                                   "request was stopped"))
         try:
             for rid in ids:
                 self.engine.abort(rid)

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from tsengine.errors import UserError, run_main
+from tsengine.server_settings import ServerSettings as ServerSettingsDefaults
 
 
 def _pull(args) -> None:
@@ -84,8 +85,34 @@ def _serve(args) -> None:
     from tsengine.engine_args import engine_config
     from tsengine.server import serve
 
-    serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name)
+    from tsengine.server_settings import ServerSettings, default_model_name
+
+    settings = ServerSettings(
+        model_name=args.served_model_name or default_model_name(args.model), api_key=args.api_key,
+        default_max_tokens=args.default_max_tokens, max_queue_len=args.max_queue_len,
+        max_body_bytes=args.max_request_body_bytes, header_timeout_s=args.header_timeout,
+        drain_timeout_s=args.drain_timeout)
+    serve(engine_config(args), settings, host=args.host, port=args.port)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _layer_ids(text: str) -> tuple[int, int, int]:
@@ -156,7 +183,20 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", help="require `Authorization: Bearer KEY`")
-    sv.add_argument("--served-model-name", help="model name in the API (default: --model)")
+    sv.add_argument("--served-model-name",
+                    help="model id in the API (default: --model as given, or its directory name for a path)")
+    d = ServerSettingsDefaults()  # the flags' defaults are the settings' own
+    sv.add_argument("--default-max-tokens", type=_positive, default=d.default_max_tokens,
+                    help=f"max_tokens of a request that sets none (default {d.default_max_tokens}; cut to the context)")
+    sv.add_argument("--max-queue-len", type=_non_negative, default=d.max_queue_len,
+                    help=f"choices that may wait beyond --max-num-seqs before requests get 429 (default {d.max_queue_len})")
+    sv.add_argument("--max-request-body-bytes", type=_positive, default=d.max_body_bytes,
+                    help=f"larger request bodies get 413 (default {d.max_body_bytes})")
+    sv.add_argument("--header-timeout", type=_positive_float, default=d.header_timeout_s,
+                    help=f"seconds a connection may take to send its request headers (default {d.header_timeout_s})")
+    sv.add_argument("--drain-timeout", type=_positive_float, default=d.drain_timeout_s,
+                    help="seconds running requests may finish after SIGTERM before they end with finish_reason "
+                         f"'abort' (default {d.drain_timeout_s}); a second signal exits at once")
     sv.set_defaults(run=_serve)
     return p
 

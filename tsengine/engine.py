@@ -22,9 +22,10 @@ import torch
 from tsengine.capture import CaptureBuffer, Captured
 from tsengine.config import EngineConfig
 from tsengine.errors import UserError
+from tsengine.faults import EngineFault, Quarantine, engine_wide, failure_message
 from tsengine.metrics import Stats
 from tsengine.runner import ModelRunner
-from tsengine.sampling import SamplingParams
+from tsengine.sampling import RowParams, SamplingParams
 from tsengine.scheduler import Scheduled, Scheduler
 from tsengine.sequence import Sequence, Status
 from tsengine.spec import build_proposer
@@ -44,6 +45,7 @@ class StepOutput:
     verify: bool = False
     accepted: int = 0  # drafts accepted in this step
     captured: Captured | None = None  # a capturing request's features, when it finishes
+    error: str | None = None  # finish_reason "error": why this request alone was stopped (tsengine/faults.py)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Engine:
                                    s.num_draft_tokens if s else 1, reserve_slots(s))
         self.requests: dict[str, Sequence] = {}
         self.stats = Stats(self.spec_steps)
+        self.quarantine = Quarantine()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -76,6 +79,10 @@ class Engine:
             raise UserError(f"request id {request_id!r} is already running")
         self.check_prompt(prompt)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        try:  # the step builds these tensors for every row: a value they cannot hold is refused here, alone
+            RowParams.build([params], [seed], "cpu")
+        except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+            raise UserError(f"invalid sampling parameters: {e}") from None
         seq = Sequence(request_id, list(prompt), params, seed)
         if capture:
             if not self.config.capture_layer_ids:
@@ -112,21 +119,69 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        solo = self.quarantine.solo()
+        batch = self.scheduler.schedule(only=solo)
         if not batch:
+            if solo is not None:  # it cannot get blocks alone: back to ordinary batching, which can preempt
+                self.quarantine.release(solo)
             return []
-        forward = self.runner.run(batch)
-        verdicts = self.verifier.verify(batch, forward)
+        try:  # nothing is committed before the verdicts: a failure here leaves every request as it was
+            forward = self.runner.run(batch)
+            verdicts = self.verifier.verify(batch, forward)
+        except Exception as error:
+            return self._step_failed(batch, solo, error)
         t1 = time.perf_counter()
         outputs, committed = self._commit(batch, verdicts, forward.first_row)
         t2 = time.perf_counter()
-        proposal = Proposal(committed, forward.aux)
-        for seq, drafts in zip(proposal.drafting, self.proposer.propose(proposal)):
-            seq.drafts = drafts
+        outputs += self._propose(Proposal(committed, forward.aux), solo)
+        if solo is not None:
+            self.quarantine.release(solo)
         if self.config.debug_checks:
             self.scheduler.check()
         self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
         return outputs
+
+    def _propose(self, proposal: Proposal, solo: Sequence | None) -> list[StepOutput]:
+        """Drafts for the next step. A failure here comes after the commit: the tokens stand, the drafter's
+        state of these runs does not, so they are recomputed (one at a time, as after a failed step)."""
+        try:
+            drafts = self.proposer.propose(proposal)
+        except Exception as error:
+            if engine_wide(error):
+                raise EngineFault(f"engine-wide failure while drafting: {type(error).__name__}") from error
+            if solo is not None and solo.status is not Status.FINISHED:
+                log.error("request %s failed while drafting and is stopped", solo.request_id, exc_info=error)
+                return [self._fail(solo, failure_message(error))]
+            seqs = [c.seq for c in proposal.runs]
+            log.warning("drafting failed (%s); recomputing its %d request(s), one at a time",
+                        type(error).__name__, len(seqs), exc_info=error)
+            for seq in seqs:
+                self.scheduler.preempt(seq)  # recompute rebuilds the drafter's state from the tokens
+            self.quarantine.add(seqs)
+            return []
+        for seq, d in zip(proposal.drafting, drafts):
+            seq.drafts = d
+        return []
+
+    def _step_failed(self, batch: list[Scheduled], solo: Sequence | None, error: Exception) -> list[StepOutput]:
+        """A step raised before committing anything. Alone in its step, a request is the cause and stops
+        with reason "error"; otherwise the step's requests are retried one per step (tsengine/faults.py)."""
+        if engine_wide(error):
+            raise EngineFault(f"engine-wide failure: {type(error).__name__}; every open request is stopped") from error
+        seqs = list(dict.fromkeys(s.seq for s in batch if s.seq.status is not Status.FINISHED))
+        if solo is None and len(seqs) > 1:
+            log.warning("a step of %d requests failed (%s); retrying them one at a time to find the cause",
+                        len(seqs), type(error).__name__, exc_info=error)
+            self.quarantine.add(seqs)
+            return []
+        log.error("request %s failed and is stopped", [s.request_id for s in seqs], exc_info=error)
+        return [self._fail(seq, failure_message(error)) for seq in seqs]
+
+    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+        self.scheduler.finish(seq, "error")
+        self.requests.pop(seq.request_id, None)
+        self.quarantine.release(seq)
+        return StepOutput(seq.request_id, [], True, "error", error=message)
 
     def _commit(self, batch: list[Scheduled], verdicts: list[Verdict | None],
                 first_rows: list[int]) -> tuple[list[StepOutput], list[Committed]]:
@@ -136,6 +191,9 @@ class Engine:
         for s, verdict, first in zip(batch, verdicts, first_rows):
             seq = s.seq
             if seq.status is Status.FINISHED:  # aborted meanwhile
+                continue
+            if verdict is not None and verdict.error is not None:  # its rows only: the others commit
+                outputs.append(self._fail(seq, verdict.error))
                 continue
             seq.num_cached += len(verdict.path) if s.verify else s.num_tokens
             if s.verify:

@@ -20,10 +20,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", or "error" (this sample alone failed: `error` says why)
     # tokens committed by each verify step, bonus included, cut at a stop (tsengine.infer.reference's accept_lengths):
     # kept per sample, not per request, because n > 1 samples verify independently
     spec_accept_lengths: list[int] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass
@@ -83,7 +84,7 @@ class LLM:
                 if out.verify:
                     res.outputs[i].spec_accept_lengths.append(len(out.new_tokens))
                 if out.finished:
-                    res.outputs[i].finish_reason = out.finish_reason
+                    res.outputs[i].finish_reason, res.outputs[i].error = out.finish_reason, out.error
                     bar.update(1)
         bar.close()
         for res in results:

@@ -9,11 +9,29 @@ honour (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`) use vLLM's names.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from tsengine.sampling import SamplingParams
+from tsengine.sampling import MAX_TOKEN_ID, MAX_TOP_K, SamplingParams
+
+MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 16, 1000, 256
+
+
+def _valid_unicode(text: str) -> str:
+    """JSON can spell a lone UTF-16 surrogate ("\\ud800"); Python keeps it in the str, no tokenizer or
+    UTF-8 encoder accepts it. Refused here, so it is a 400 naming the field rather than a crash later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate {text[e.start]!r} at character {e.start}, "
+                         "which is not valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH), AfterValidator(_valid_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 class _Strict(BaseModel):
@@ -25,27 +43,23 @@ class StreamOptions(_Strict):
 
 
 class _SamplingRequest(_Strict):
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
+    """Every bound here is one the engine can represent (int64 seeds, int32-range top_k and ids), and the
+    schema at /openapi.json shows each of them, so a client generating from it stays inside."""
+
+    model: Text | None = None
+    max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    temperature: float = Field(1.0, ge=0, le=1e6)  # below sampling.GREEDY_BELOW (1e-5): greedy
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # the engine keeps seeds in int64 tensors
     n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _no_empty_stop(cls, v):
-        if v is not None and any(s == "" for s in ([v] if isinstance(v, str) else v)):
-            raise ValueError("an empty stop string would match before the first token")
-        return v
+    user: Text | None = Field(None, max_length=256)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -55,28 +69,28 @@ class _SamplingRequest(_Strict):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+    def sampling_params(self, prompt_len: int, max_model_len: int, default_max_tokens: int) -> SamplingParams:
         """The request's sampling, all `n` choices in one (tsengine.fanout splits them as `LLM.generate` does);
-        without max_tokens, up to the end of the context."""
-        max_tokens = self.requested_max_tokens or max_model_len - prompt_len
+        without max_tokens, the server's default, cut to what the context leaves."""
+        max_tokens = min(self.requested_max_tokens or default_max_tokens, max_model_len - prompt_len)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                               max_tokens=max_tokens, seed=self.seed, n=self.n,
                               stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = Field(None, max_length=256)
 
     def as_template_input(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else \
@@ -87,7 +101,7 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name for max_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=2**31 - 1)  # the newer name for max_tokens
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -99,9 +113,23 @@ class APIError(Exception):
     """A request the server refuses, carrying what OpenAI's error body says (see `error_body`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every non-2xx answer of this server has it (documented per route)."""
+
+    error: ErrorDetail
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

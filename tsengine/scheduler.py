@@ -46,7 +46,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, only: Sequence | None = None) -> list[Scheduled]:
+        """`only`: schedule that request alone (a suspect of a failed step: tsengine/faults.py)."""
+        if only is None:
+            return self._schedule()
+        running, waiting = self.running, self.waiting
+        self.running = [only] if only in running else []
+        self.waiting = deque([only]) if only in waiting else deque()
+        try:
+            return self._schedule()
+        finally:  # the others keep their places; `only` keeps its own if it still runs
+            ran = only in self.running
+            self.running = [s for s in running if s is not only or ran] + ([only] if ran and only not in running else [])
+            self.waiting = self.waiting + deque(s for s in waiting if s is not only)
+
+    def _schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []
         budget = self.budget
         running, self.running = self.running, []
@@ -89,6 +103,12 @@ class Scheduler:
         self.blocks.release(seq.table)
         seq.preempt()
         self.waiting.appendleft(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop a running request's KV: it is recomputed from its tokens (the same tokens: sampling is keyed)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._preempt(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Free everything a finished or aborted request holds (running or waiting)."""

@@ -2,120 +2,147 @@
 
 Every answer that is not a success has OpenAI's error shape, so OpenAI clients raise their usual
 exceptions: a user's mistake is a 400 naming the field (pydantic's 422 is turned into it), a missing or
-wrong key a 401, an engine failure a 503, and only bugs a 500, with the trace in the server log rather
-than in the response. What a completion request does is tsengine.completions.
+wrong key a 401, a body over the cap 413, a full queue 429, an engine-wide failure or a draining server
+503 (a generic message and the request id: the log has the rest), and only bugs a 500. /openapi.json
+documents exactly these. What a completion request does is tsengine.completions; the guards in front of it
+are tsengine.http_guards; shutdown is tsengine.shutdown.
 """
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from tsengine import openai_protocol as proto
 from tsengine.async_engine import AsyncEngine, EngineError
-from tsengine.completions import Completions
+from tsengine.completions import Completions, engine_failure
 from tsengine.config import EngineConfig
+from tsengine.http_guards import ApiKey, BodyLimit, RequestId, error_response
 from tsengine.openai_protocol import APIError
+from tsengine.server_settings import ServerSettings
 
-def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
-
-
-class _ApiKey:
-    """Bearer-token check for /v1/* as plain ASGI (a BaseHTTPMiddleware would wrap streaming responses)."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, b"Bearer " + self.key):
-                reason = "missing API key" if not auth else "incorrect API key"
-                return await _error(401, f"{reason}: send 'Authorization: Bearer <key>'", None,
-                                    "authentication_error")(scope, receive, send)
-        await self.app(scope, receive, send)
+_ERRORS = {400: "the request is invalid: the message names the field",
+           401: "missing or incorrect API key (only when the server has one)",
+           404: "the request names a model this server does not serve",
+           413: "the request body is over the server's limit",
+           429: "the server's queue is full; Retry-After says when to retry",
+           503: "the engine failed (not because of this request) or the server is shutting down"}
 
 
-def build_app(async_engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def _documented(*codes: int) -> dict:
+    return {c: {"model": proto.ErrorResponse, "description": _ERRORS[c]} for c in codes}
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="tsengine", summary="OpenAI-compatible EAGLE-3 speculative decoding server")
-    server = app.state.server = Completions(async_engine, model_name)
+    server = app.state.server = Completions(async_engine, settings)
+    key = (401,) if settings.api_key else ()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        err = exc.errors()[0]
-        loc = [x for x in err["loc"] if x != "body"]
+        errors = exc.errors()  # a union field reports one error per member: the most specific one tells
+        err = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+        loc = [x for x in err["loc"] if x != "body" and not _union_tag(x)]
         if err["type"] == "json_invalid":
-            return _error(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+            return error_response(400, f"request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
         if not loc:  # the body as a whole: empty, not an object, or not sent as JSON
-            return _error(400, "request body must be a JSON object sent with Content-Type: application/json")
+            return error_response(400, "request body must be a JSON object sent with Content-Type: application/json")
         field = str(loc[0]) if isinstance(loc[0], str) else None
         where = ".".join(str(x) for x in loc)
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
-        got = f" (got {err['input']!r})" if err["type"] != "missing" else ""
-        return _error(400, f"{where}: {msg}{got}", field)
+        msg = {"extra_forbidden": "unknown field",  # pydantic's own words for a lone surrogate say less
+               "string_unicode": "contains a lone UTF-16 surrogate, which is not valid Unicode"}.get(err["type"], err["msg"])
+        got = f" (got {_short(err['input'])})" if err["type"] != "missing" else ""
+        return error_response(400, f"{where}: {msg}{got}", field)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return _error(e.status, e.message, e.param, e.type, e.code)
+        return error_response(e.status, e.message, e.param, e.type, e.code, e.headers)
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_, e: EngineError):
-        return _error(503, str(e), None, "internal_error")
+    async def _engine_error(request: Request, e: EngineError):
+        return error_response(503, engine_failure(request.state.request_id), None, "internal_error")
 
     @app.exception_handler(HTTPException)
-    async def _http(_, e: HTTPException):
-        return _error(e.status_code, str(e.detail), None, "not_found_error" if e.status_code == 404 else
-                      "invalid_request_error")
+    async def _http(_, e: HTTPException):  # its headers matter: 405 carries Allow
+        return error_response(e.status_code, str(e.detail), None, "not_found_error" if e.status_code == 404 else
+                              "invalid_request_error", headers=e.headers)
 
     @app.exception_handler(Exception)
-    async def _bug(_, e: Exception):  # Starlette still logs the trace; the client gets the usual shape
-        return _error(500, f"internal error: {type(e).__name__}; see the server log", None, "internal_error")
+    async def _bug(request: Request, e: Exception):  # Starlette still logs the trace
+        return error_response(500, f"internal error; see the server log (request id {request.state.request_id})",
+                              None, "internal_error")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_documented(400, *key, 404, 413, 429, 503))
     async def completions(req: proto.CompletionRequest, request: Request):
         return await server.handle(req, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_documented(400, *key, 404, 413, 429, 503))
     async def chat_completions(req: proto.ChatCompletionRequest, request: Request):
         return await server.handle(req, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_documented(*key))
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
                                             "owned_by": "tsengine", "max_model_len": server.max_model_len}]}
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health", responses=_documented(503))
+    async def health() -> dict[str, str]:
         if async_engine.dead is not None:
-            return _error(503, f"engine not running: {async_engine.dead}", None, "internal_error")
-        return Response(status_code=200)
+            return error_response(503, "the engine is not running", None, "internal_error")
+        if server.draining:
+            return error_response(503, "the server is shutting down", None, "service_unavailable")
+        return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}})
     async def metrics():
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    if api_key:
-        app.add_middleware(_ApiKey, key=api_key)
+    app.openapi = lambda: _openapi(app)
+    if settings.api_key:
+        app.add_middleware(ApiKey, key=settings.api_key)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequestId)  # outermost: every answer, 401 and 413 included, carries the id
     return app
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None) -> None:
-    """Build the engine, serve until interrupted. Binds loopback unless told otherwise: no key by default."""
-    import uvicorn
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema less the 422 it documents for every body: this server answers 400 instead."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
 
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema["paths"].values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _union_tag(part) -> bool:
+    """pydantic names the member of a union in the error location ("str", "list[int]", "function-after[...]")."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def _short(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Build the engine, serve until a signal. Binds loopback unless told otherwise: no key by default."""
     from tsengine.engine import Engine
+    from tsengine.shutdown import run_until_drained
 
     engine = AsyncEngine(lambda: Engine(config))  # built on the engine thread: see async_engine
     try:
-        uvicorn.run(build_app(engine, served_model_name or config.model, api_key), host=host, port=port,
-                    log_level="info")
+        run_until_drained(build_app(engine, settings), settings, host, port)
     finally:
-        engine.shutdown()
+        engine.shutdown(timeout=5.0)
+

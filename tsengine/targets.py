@@ -8,6 +8,7 @@ so a crash or a concurrent pull never leaves a half-written model that a later r
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -53,12 +54,20 @@ def pull(name: str, dest: str | Path | None = None, quiet: bool = False) -> Path
     out = Path(dest) if dest else cache_root() / "models" / spec.dirname
     if (out / MARKER).exists():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent first pulls: one converts, the others wait and reuse it
+        if (out / MARKER).exists():
+            return out
+        return _pull_locked(name, spec, out, quiet)
+
+
+def _pull_locked(name: str, spec: "Embedded", out: Path, quiet: bool) -> Path:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists but is not a finished tsengine pull (no {MARKER}); remove it or pick --dir")
     gguf = _find_gguf(spec)
     if not quiet:
         print(f"converting {gguf.name} from {spec.package} to {out} (once)", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
         _convert(gguf, tmp)
@@ -67,9 +76,9 @@ def pull(name: str, dest: str | Path | None = None, quiet: bool = False) -> Path
         (tmp / MARKER).write_text(json.dumps({
             "embedded": name, "package": spec.package, "package_version": metadata.version(spec.package),
             "gguf": spec.gguf, "original": spec.hub_id}, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        try:
+        try:  # the lock covers processes on this machine; a shared cache on NFS may still race here
+            if out.exists():
+                out.rmdir()  # empty (checked above)
             os.rename(tmp, out)
         except OSError:
             if not (out / MARKER).exists():  # a concurrent pull that won the rename is fine; anything else is not

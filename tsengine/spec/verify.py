@@ -34,6 +34,7 @@ from tsengine.sampling import RowParams, filtered_logprobs, gumbel, sample, unif
 from tsengine.sequence import Status
 
 ACCEPT, RESIDUAL, RESIDUAL_LO = 2, 3, 4  # noise streams
+NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request; it was stopped"
 
 
 def _residual_draw(dist: torch.Tensor, fallback: torch.Tensor, seeds: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -107,6 +108,7 @@ class Verdict:
 
     tokens: list[int]
     path: list[int] | None = None  # accepted nodes, root (node 0) first; None: a plain draw
+    error: str | None = None  # the run's logits were not finite: it commits nothing and stops
 
     @property
     def accepted(self) -> int:
@@ -143,6 +145,8 @@ class Verifier:
                 params.extend([s.seq.params] * rows)
                 seeds.extend([s.seq.seed] * rows)
         rp, pos, w = RowParams.build(params, seeds, self.device), forward.draw_positions, forward.windows
+        finite = torch.isfinite(forward.logits).all(-1)  # NaN/inf never reach argmax or sampling:
+        forward.logits.masked_fill_(~finite[:, None], 0.0)  # such rows draw from zeros and their run fails
         noise = None
         if w is not None and w.is_tree and not rp.all_greedy:
             noise = self._tree_noise(rp, pos, w, plain, forward.logits.shape[-1])
@@ -153,8 +157,14 @@ class Verifier:
                 self._rule_draws(draws, forward.logits, rp, pos, w)
             ok = accepted_nodes(draws[w.logit_rows], w.tokens, w.parents, self.max_depth)
         draws_h, ok_h = draws.tolist(), (ok.tolist() if ok is not None else [])  # the host sync
+        finite_h = finite.tolist()  # same sync: the tensors above already waited for the step
         verdicts, moves, row, window = [], [], 0, 0
         for s in batch:
+            rows = s.num_tokens if s.verify else int(s.samples)
+            if not all(finite_h[row:row + rows]):
+                verdicts.append(Verdict([], error=NON_FINITE))
+                row, window = row + rows, window + int(s.verify)
+                continue
             if s.verify:
                 path = [j for j, good in enumerate(ok_h[window]) if good]  # depth-first: root first
                 verdicts.append(Verdict([draws_h[row + j] for j in path], path))
