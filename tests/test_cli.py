@@ -152,3 +152,13 @@ def test_concurrent_first_pulls_both_succeed(tmp_path, monkeypatch):
         t.join(30)
     assert errors == [] and results == [dest, dest] and len(conversions) == 1
     assert (dest / targets.MARKER).exists() and (dest / "model.safetensors").read_bytes() == b"stand-in"
+
+
+def test_served_model_name_defaults_to_a_name_not_a_path(tmp_path):
+    from tsengine.server_settings import default_model_name
+
+    local = tmp_path / "SmolLM2-135M-Instruct"
+    local.mkdir()
+    assert default_model_name(str(local)) == "SmolLM2-135M-Instruct"
+    assert default_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert default_model_name("smollm2-135m") == "smollm2-135m"
