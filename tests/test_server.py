@@ -16,10 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import post, random_head, serving, slow_steps, wait_idle
+from tests.helpers import post, serving, slow_steps, wait_idle
 from tsengine.async_engine import AsyncEngine
 from tsengine.config import EngineConfig, SpeculativeConfig
-from tsengine.eagle3.format import save_head
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -29,11 +28,8 @@ PROMPT = "the water is hot and"
 
 
 @pytest.fixture(scope="module")
-def head_dir(tiny_models, tmp_path_factory):
-    model, _ = tiny_models["llama"]
-    head = random_head(model, seed=3, draft_vocab_size=256)
-    head.init_weights(3, std=0.3)
-    return save_head(head, tmp_path_factory.mktemp("server-head"))
+def head_dir(heads):
+    return heads["llama"]  # conftest's: decisive logits, no near-ties among drafts
 
 
 def spec_json(head_dir) -> dict:

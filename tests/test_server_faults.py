@@ -16,9 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.helpers import post, random_head, serving, slow_steps, wait_idle
+from tests.helpers import post, serving, slow_steps, wait_idle
 from tsengine.config import EngineConfig, SpeculativeConfig
-from tsengine.eagle3.format import save_head
 
 KEY, MODEL, CONTEXT = "sk-test", "tiny-llama", 128
 PROMPT = "the water is hot and"
@@ -27,11 +26,8 @@ LIMITS = dict(default_max_tokens=8, max_queue_len=4, max_body_bytes=64 * 1024, h
 
 
 @pytest.fixture(scope="module")
-def head_dir(tiny_models, tmp_path_factory):
-    model, _ = tiny_models["llama"]
-    head = random_head(model, seed=3, draft_vocab_size=256)
-    head.init_weights(3, std=0.3)
-    return save_head(head, tmp_path_factory.mktemp("faults-head"))
+def head_dir(heads):
+    return heads["llama"]  # conftest's: decisive logits, no near-ties among drafts
 
 
 def config(tiny_dirs, head_dir, **kw) -> EngineConfig:

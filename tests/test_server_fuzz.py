@@ -15,9 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import random_head, serving, wait_idle
+from tests.helpers import serving, wait_idle
 from tsengine.config import EngineConfig, SpeculativeConfig
-from tsengine.eagle3.format import save_head
 
 KEY, MODEL = "sk-fuzz", "tiny-llama"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -26,11 +25,8 @@ BUDGET = settings(max_examples=40, deadline=None, derandomize=True, database=Non
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tiny_dirs, tiny_models, tmp_path_factory):
-    model, _ = tiny_models["llama"]
-    head = random_head(model, seed=5, draft_vocab_size=256)
-    head_dir = save_head(head, tmp_path_factory.mktemp("fuzz-head"))
-    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
+def fuzzed(tiny_dirs, heads):
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
     config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=96, block_size=4, max_num_seqs=4,
                                speculative=SpeculativeConfig.resolve(config_json=spec))
     with serving(config, MODEL, KEY, default_max_tokens=4, max_queue_len=4) as s:

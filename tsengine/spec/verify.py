@@ -156,12 +156,12 @@ class Verifier:
             if self.rule != "gumbel" and not rp.all_greedy:
                 self._rule_draws(draws, forward.logits, rp, pos, w)
             ok = accepted_nodes(draws[w.logit_rows], w.tokens, w.parents, self.max_depth)
+        draws = draws.masked_fill(~finite, -1)  # -1 marks a non-finite row: its verdict fails, no extra sync
         draws_h, ok_h = draws.tolist(), (ok.tolist() if ok is not None else [])  # the host sync
-        finite_h = finite.tolist()  # same sync: the tensors above already waited for the step
         verdicts, moves, row, window = [], [], 0, 0
         for s in batch:
             rows = s.num_tokens if s.verify else int(s.samples)
-            if not all(finite_h[row:row + rows]):
+            if min(draws_h[row:row + rows], default=0) < 0:
                 verdicts.append(Verdict([], error=NON_FINITE))
                 row, window = row + rows, window + int(s.verify)
                 continue
