@@ -1,11 +1,13 @@
-"""Server throughput at several concurrency levels, plain and with EAGLE-3 chain speculation.
+"""Server throughput at several concurrency levels: plain, fixed EAGLE-3 chains, and adaptive speculation.
 
 Starts `tsengine serve` as a subprocess (127.0.0.1, a free port), waits for /health, then for each
 concurrency c sends c streams of completions at once, `--requests-per-level` in total, greedy,
 `--max-tokens` each with EOS ignored (every request decodes the same count), and reports output
 tokens/s over the level's wall time plus τ from the usage fields.
 
-    python bench/serve_throughput.py --draft DIR [--levels 1,4,16 --max-tokens 128]
+    python bench/serve_throughput.py --draft DIR [--levels 1,4,16 --max-tokens 128 --chains 1,3 --png FILE]
+
+Servers run one after another, each over every level, so rows of one run compare side by side.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ def main() -> None:
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--chains", type=lambda s: [int(x) for x in s.split(",")], default=[3],
+                    help="fixed chain lengths to measure (with --draft)")
+    ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive server (with --draft)")
+    ap.add_argument("--png", help="plot output tok/s per concurrency here")
     args = ap.parse_args()
     global MODEL
     MODEL = args.target
@@ -86,8 +92,12 @@ def main() -> None:
     prompts = val_prompts_text(16)
     rows = [("plain", [])]
     if args.draft:
-        rows.append(("eagle3 chain 3", ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
-                                        args.draft, "--speculative-num-steps", "3"]))
+        eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft]
+        rows += [(f"eagle3 chain {k}", [*eagle, "--speculative-num-steps", str(k)]) for k in args.chains]
+        if not args.no_adaptive:
+            rows.append((f"adaptive (0..{max(args.chains)})",
+                         [*eagle, "--speculative-num-steps", str(max(args.chains)), "--speculative-adaptive"]))
+    results: dict[str, dict[int, float]] = {}
     print("| server | concurrency | output tok/s | τ | wall s |")
     print("| --- | --- | --- | --- | --- |")
     for name, spec in rows:
@@ -99,9 +109,24 @@ def main() -> None:
                 r = asyncio.run(level(base, prompts, c, n, args.max_tokens))
                 tau = f"{r['tau']:.2f}" if r["tau"] else "-"
                 print(f"| {name} | {c} | {r['tok_s']:.1f} | {tau} | {r['wall']:.1f} |", flush=True)
+                results.setdefault(name, {})[c] = r["tok_s"]
         finally:
             proc.terminate()
             proc.wait()
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, by_level in results.items():
+            ax.plot(list(by_level), list(by_level.values()), marker="o", label=name)
+        ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title=f"{args.target} server throughput")
+        ax.set_xticks(args.levels, [str(c) for c in args.levels])
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
 
 
 if __name__ == "__main__":

@@ -162,3 +162,24 @@ def test_served_model_name_defaults_to_a_name_not_a_path(tmp_path):
     assert default_model_name(str(local)) == "SmolLM2-135M-Instruct"
     assert default_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert default_model_name("smollm2-135m") == "smollm2-135m"
+
+
+def test_tune_measures_every_configuration_and_recommends_flags(tiny_dirs, heads, tmp_path, capsys):
+    from tsengine.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the water is hot and\nonce upon a time\n")
+    out = tmp_path / "tune"
+    assert main(["tune", "--model", str(tiny_dirs["llama"]), "--draft", str(heads["llama"]), "--prompts",
+                 str(prompts), "--concurrency", "1,2", "--max-tokens", "6", "--steps", "2", "--trees", "2x2x4",
+                 "--max-model-len", "128", "--out", str(out)]) == 0
+    report = json.loads((out / "tune.json").read_text())
+    names = {r["name"] for r in report["rows"]}
+    assert names == {"plain", "ngram 2", "chain 1", "chain 2", "tree 2x2x4", "adaptive 0..2"}
+    assert len(report["rows"]) == 6 * 2 and all(r["tok_s"] > 0 for r in report["rows"])
+    assert all(r["speedup"] == 1.0 for r in report["rows"] if r["name"] == "plain")
+    assert set(report["recommended"]) == {"1", "2"}
+    assert (out / "tune.png").stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert "recommended, per load:" in printed and "tsengine serve --model" in printed
+    assert main(["tune", "--model", "x", "--prompts", str(prompts), "--trees", "6x8x32"]) == 2  # lane rule

@@ -105,6 +105,27 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _tune(args) -> None:
+    from tsengine.tune import parse_trees, print_report, tune
+
+    levels = _levels(args.concurrency)
+    engine_kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    report = tune(args.model, args.draft, args.prompts, levels, args.max_tokens, args.steps, parse_trees(args.trees),
+                  args.out, args.temperature, not args.no_ngram, engine_kw)
+    print_report(report, args.model)
+    print(f"\nwritten: {args.out}/tune.json, {args.out}/tune.png")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise UserError(f"--concurrency: expected positive integers separated by commas, got {text!r}")
+    return levels
+
+
 def _layer_ids(text: str) -> tuple[int, int, int]:
     try:
         ids = tuple(int(x) for x in text.split(","))
@@ -173,6 +194,22 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are committed")
     gen.set_defaults(run=_generate)
+
+    tu = sub.add_parser("tune", help="measure plain, NGRAM, EAGLE-3 chains/trees and adaptive speculation on "
+                                     "your prompts; recommend `serve` flags per load")
+    tu.add_argument("--model", required=True, help="target: HF directory, embedded name or hub id")
+    tu.add_argument("--draft", help="EAGLE-3 head directory (without it: plain and NGRAM only)")
+    tu.add_argument("--prompts", required=True, help=".txt (one raw prompt per line) or chat rows (.json/.jsonl/"
+                                                     ".parquet, ShareGPT or OpenAI shape)")
+    tu.add_argument("--concurrency", default="1,4,16,64", help="load levels (default 1,4,16,64)")
+    tu.add_argument("--max-tokens", type=_positive, default=64, help="tokens decoded per request (default 64)")
+    tu.add_argument("--steps", type=_positive, default=3, help="longest chain (and NGRAM's steps; default 3)")
+    tu.add_argument("--trees", default="3x2x6", help="tree shapes STEPSxTOPKxNODES, comma-separated ('' for none)")
+    tu.add_argument("--no-ngram", action="store_true", help="skip NGRAM")
+    tu.add_argument("--temperature", type=float, default=0.0)
+    tu.add_argument("--max-model-len", type=_positive)
+    tu.add_argument("--out", default="runs/tune", help="directory for tune.json and tune.png (default runs/tune)")
+    tu.set_defaults(run=_tune)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
     add_engine_args(sv)

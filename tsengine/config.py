@@ -84,6 +84,9 @@ class SpeculativeConfig(_Strict):
     tree_sampling: Literal["gumbel", "multiround"] = Field("gumbel", description=(
         "temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround (point-mass "
         "multi-round rejection)"))
+    adaptive: bool = Field(False, description=(
+        "choose the draft length every step (0 = plain decoding .. num_steps) from the measured acceptance and "
+        "step cost (EAGLE3 chain; tsengine/spec/adaptive.py)"))
 
     @property
     def rule(self) -> str:
@@ -104,6 +107,9 @@ class SpeculativeConfig(_Strict):
                             "DIR (or \"model\" in --speculative-config)")
         if self.algorithm == "NGRAM" and self.draft_model_path:
             problems.append("speculative_draft_model_path is set but NGRAM uses no draft model")
+        if self.adaptive and (self.algorithm != "EAGLE3" or self.eagle_topk > 1):
+            problems.append("adaptive speculation chooses among EAGLE3 chain lengths: it needs --speculative-algorithm "
+                            "EAGLE3 and --speculative-eagle-topk 1")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             problems.append(f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}")
         fail_if(problems, "invalid speculative decoding settings")
@@ -113,13 +119,13 @@ class SpeculativeConfig(_Strict):
     def resolve(algorithm: str | None = None, draft_model_path: str | None = None, num_steps: int | None = None,
                 eagle_topk: int | None = None, num_draft_tokens: int | None = None,
                 config_json: str | dict | None = None, speculative_sampling: bool | None = None,
-                tree_sampling: str | None = None) -> "SpeculativeConfig | None":
+                tree_sampling: str | None = None, adaptive: bool | None = None) -> "SpeculativeConfig | None":
         """Merge the flags and the JSON form; None when no speculation is asked for (the sampling-rule flags
         alone do not ask for it)."""
         flags = {"algorithm": algorithm, "draft_model_path": draft_model_path, "num_steps": num_steps,
                  "eagle_topk": eagle_topk, "num_draft_tokens": num_draft_tokens}
         flags = {k: v for k, v in flags.items() if v is not None}
-        rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling}
+        rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling, "adaptive": adaptive}
         rules = {k: v for k, v in rules.items() if v is not None}
         asked = {k for k, v in rules.items() if v not in (False, "gumbel")}  # the defaults ask for nothing
         merged = dict(flags)
@@ -135,13 +141,16 @@ class SpeculativeConfig(_Strict):
                      "num_steps": "num_steps", "eagle_topk": "eagle_topk", "topk": "eagle_topk",
                      "num_draft_tokens": "num_draft_tokens", "prompt_lookup_min": "prompt_lookup_min",
                      "prompt_lookup_max": "prompt_lookup_max", "enable_speculative_sampling": "speculative_sampling",
-                     "speculative_sampling": "speculative_sampling", "tree_sampling": "tree_sampling"}
+                     "speculative_sampling": "speculative_sampling", "tree_sampling": "tree_sampling",
+                     "adaptive": "adaptive"}
             problems = []
             for key, value in config_json.items():
                 if key not in names:
                     problems.append(f"speculative_config key {key!r} is unknown; allowed: {', '.join(names)}")
                     continue
                 field = names[key]
+                if field == "algorithm" and isinstance(value, str) and value.lower() == "auto":  # EAGLE3, adaptive
+                    value, merged["adaptive"] = "EAGLE3", True
                 if field == "algorithm" and isinstance(value, str):
                     value = {"eagle3": "EAGLE3", "eagle-3": "EAGLE3", "ngram": "NGRAM"}.get(value.lower(), value)
                 given = {**flags, **rules}

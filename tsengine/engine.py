@@ -133,7 +133,9 @@ class Engine:
         t1 = time.perf_counter()
         outputs, committed = self._commit(batch, verdicts, forward.first_row)
         t2 = time.perf_counter()
-        outputs += self._propose(Proposal(committed, forward.aux), solo)
+        decode = sum(s.num_tokens for s in batch if s.verify or s.num_tokens == 1)
+        prefill = sum(s.num_tokens for s in batch) - decode
+        outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, t1 - t0), solo)
         if solo is not None:
             self.quarantine.release(solo)
         if self.config.debug_checks:
@@ -159,8 +161,8 @@ class Engine:
                 self.scheduler.preempt(seq)  # recompute rebuilds the drafter's state from the tokens
             self.quarantine.add(seqs)
             return []
-        for seq, d in zip(proposal.drafting, drafts):
-            seq.drafts = d
+        for seq, d in zip(proposal.drafting, drafts + [None] * (len(proposal.drafting) - len(drafts))):
+            seq.drafts = d  # a proposer may return fewer: the rest decode plainly
         return []
 
     def _step_failed(self, batch: list[Scheduled], solo: Sequence | None, error: Exception) -> list[StepOutput]:
@@ -199,7 +201,7 @@ class Engine:
             if s.verify:
                 seq.verify_steps += 1
                 seq.accepted += verdict.accepted
-                self.stats.verified(verdict.accepted)
+                self.stats.verified(verdict.accepted, s.num_tokens - 1)
             kept, reason = self._append(seq, verdict.tokens if verdict is not None else [])
             if reason:
                 self.scheduler.finish(seq, reason)
@@ -207,7 +209,8 @@ class Engine:
             else:
                 self.scheduler.trim(seq)
                 rows = [first + j for j in verdict.path] if s.verify else list(range(first, first + s.num_tokens))
-                committed.append(Committed(seq, s.start, rows, s.samples))
+                committed.append(Committed(seq, s.start, rows, s.samples,
+                                           (s.num_tokens - 1, verdict.accepted) if s.verify else None))
             if kept or reason:
                 captured = seq.capture.result(len(seq.tokens)) if reason and seq.capture is not None else None
                 outputs.append(StepOutput(seq.request_id, kept, reason is not None, reason, s.verify,

@@ -25,7 +25,8 @@ NOT_FLAGS = ("num_kv_blocks", "capture_layer_ids", "speculative")
 SPECULATIVE_FLAGS = {"algorithm": "--speculative-algorithm", "draft_model_path": "--speculative-draft-model-path",
                      "num_steps": "--speculative-num-steps", "eagle_topk": "--speculative-eagle-topk",
                      "num_draft_tokens": "--speculative-num-draft-tokens",
-                     "speculative_sampling": "--enable-speculative-sampling", "tree_sampling": "--spec-tree-sampling"}
+                     "speculative_sampling": "--enable-speculative-sampling", "tree_sampling": "--spec-tree-sampling",
+                     "adaptive": "--speculative-adaptive"}
 
 
 def _engine_flags() -> dict[str, str]:

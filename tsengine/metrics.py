@@ -13,16 +13,21 @@ class Stats:
         self.spec_steps = spec_steps
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.accepted_per_pos = [0] * spec_steps
+        self.drafted_per_pos = [0] * spec_steps  # verify steps that drafted position i (adaptive: not all)
         self.requests_started = self.generated_tokens = self.steps = 0
         self.time_forward = self.time_commit = self.time_draft = 0.0
         self.log_every_s, self._last_log, self._window = log_every_s, time.monotonic(), [0, 0]
 
-    def verified(self, accepted: int) -> None:
+    def verified(self, accepted: int, drafted: int) -> None:
+        """`drafted`: the chain's length (a tree counts its S steps, as vLLM counts num_spec_tokens)."""
+        drafted = min(drafted, self.spec_steps)
         self.num_drafts += 1
-        self.num_draft_tokens += self.spec_steps
+        self.num_draft_tokens += drafted
         self.num_accepted += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
+        for i in range(drafted):
+            self.drafted_per_pos[i] += 1
 
     def step(self, tokens: int, reqs: int, t0: float, t1: float, t2: float, t3: float) -> None:
         self.steps += 1
@@ -35,8 +40,11 @@ class Stats:
         now = time.monotonic()
         if now - self._last_log >= self.log_every_s:
             dt = now - self._last_log
-            log.info("Decode batch. #running-req: %d, gen throughput (token/s): %.1f, Decoded Tok/Iter: %.2f",
-                     reqs, self._window[0] / dt, self._window[0] / max(1, self._window[1]))
+            rates = [f"{a / d:.2f}" for a, d in zip(self.accepted_per_pos, self.drafted_per_pos) if d]
+            log.info("Decode batch. #running-req: %d, gen throughput (token/s): %.1f, Decoded Tok/Iter: %.2f%s",
+                     reqs, self._window[0] / dt, self._window[0] / max(1, self._window[1]),
+                     f", accept len: {self.mean_acceptance_length:.2f}, acceptance per pos: {' '.join(rates)}"
+                     if rates else "")
             self._last_log, self._window = now, [0, 0]
 
     @property

@@ -28,6 +28,31 @@ class _EngineCollector:
         for i, v in enumerate(list(st.accepted_per_pos)):
             per.add_metric([str(i)], v)
         yield per
+        drafted = CounterMetricFamily("tsengine:spec_decode_num_drafted_tokens_per_pos",
+                                      "Verify steps that drafted this position (acceptance rate = accepted / "
+                                      "drafted; adaptive speculation does not always draft every position).",
+                                      labels=["position"])
+        for i, v in enumerate(list(st.drafted_per_pos)):
+            drafted.add_metric([str(i)], v)
+        yield drafted
+        policy = getattr(e.proposer, "acceptance", None)
+        if policy is not None:  # adaptive speculation's own running estimates and its current choice
+            yield GaugeMetricFamily("tsengine:spec_decode_draft_length", "Draft length chosen for the last step "
+                                    "(0: plain decoding).", value=e.proposer.draft_len)
+            est = GaugeMetricFamily("tsengine:spec_decode_acceptance_estimate", "Running estimate of P(the first "
+                                    "i+1 drafts are accepted), by position i.", labels=["position"])
+            for i, rate in enumerate(policy.rates()):
+                est.add_metric([str(i)], rate)
+            yield est
+            cost = GaugeMetricFamily("tsengine:spec_decode_cost_model_seconds", "Fitted step-cost model: target "
+                                     "seconds = base + per_decode_row·rows + per_prefill_row·rows; draft seconds = base + per_request·B + "
+                                     "per_step·k + per_step_request·k·B.", labels=["part", "term"])
+            for part, model, terms in (("target", e.proposer.target_cost, ("base", "per_decode_row", "per_prefill_row")),
+                                       ("draft", e.proposer.draft_cost,
+                                        ("base", "per_request", "per_step", "per_step_request"))):
+                for term, value in zip(terms, model.theta.tolist()):
+                    cost.add_metric([part, term], value)
+            yield cost
         sched, blocks = e.scheduler, e.runner.blocks
         yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=len(sched.running))
         yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=len(sched.waiting))

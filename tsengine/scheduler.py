@@ -34,7 +34,8 @@ class Scheduled:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, window: int,
                  reserve: int):
-        """`window`: tokens of a verify window (N: the root plus the drafts), 1 without speculation."""
+        """`window`: the largest verify window (N: the root plus the drafts), 1 without speculation; a step's
+        windows are as long as its requests' drafts (adaptive speculation varies them step to step)."""
         self.blocks, self.max_num_seqs, self.budget = blocks, max_num_seqs, max_num_batched_tokens
         self.window, self.reserve = window, reserve
         self.waiting: deque[Sequence] = deque()
@@ -65,10 +66,13 @@ class Scheduler:
         budget = self.budget
         running, self.running = self.running, []
         queue = deque(running)
+        window = None  # every verify window of a step has one size (Windows stacks them)
         while queue and budget > 0:
             seq = queue.popleft()
             if seq.decoding:
-                n = self.window if seq.drafts is not None else 1
+                if seq.drafts is not None and window not in (None, seq.drafts.tokens.numel() + 1):
+                    seq.drafts = None  # drafted at another length (it waited a step): decode it plainly
+                n = seq.drafts.tokens.numel() + 1 if seq.drafts is not None else 1
                 if n > budget:
                     self.running.append(seq)  # keeps its place; decodes next step
                     continue
@@ -82,6 +86,8 @@ class Scheduler:
                 continue
             self.blocks.grow(seq.table, need)
             out.append(Scheduled(seq, seq.num_cached, n, seq.decoding and n > 1))
+            if out[-1].verify:
+                window = n
             self.running.append(seq)
             budget -= n
         self.running.extend(queue)  # not reached this step (budget spent): they keep their blocks

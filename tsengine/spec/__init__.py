@@ -16,5 +16,10 @@ def build_proposer(spec, runner) -> Proposer:
         return NgramProposer(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
     from tsengine.spec.eagle3 import Eagle3Proposer
 
-    return Eagle3Proposer(runner.head, spec.num_steps, runner.draft_kv, runner.block_size, runner.backend,
-                          spec.eagle_topk, spec.num_draft_tokens, spec.rule)
+    eagle = Eagle3Proposer(runner.head, spec.num_steps, runner.draft_kv, runner.block_size, runner.backend,
+                           spec.eagle_topk, spec.num_draft_tokens, spec.rule)
+    if spec.adaptive:
+        from tsengine.spec.adaptive import AdaptiveProposer
+
+        return AdaptiveProposer(eagle, spec.num_steps)
+    return eagle

@@ -43,12 +43,18 @@ class Committed:
     start: int
     rows: list[int]
     drafts_next: bool  # the run ended at the request's last token: it gets drafts for its next window
+    verified: tuple[int, int] | None = None  # a verify window's (drafts, accepted); None for other runs
 
 
 @dataclass
 class Proposal:
     runs: list[Committed]
     aux: torch.Tensor | None  # [T, A] the target features of the step's forward (None without aux layers)
+    # The step's forward, for cost models: rows of decode/verify windows and of prefill chunks (prefill rows
+    # cost less each: many rows share one weight read), and its seconds (schedule to verdicts).
+    decode_rows: int = 0
+    prefill_rows: int = 0
+    target_seconds: float = 0.0
 
     @property
     def drafting(self) -> list["Sequence"]:

@@ -42,10 +42,12 @@ class Eagle3Proposer:
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
 
-    def propose(self, proposal: Proposal) -> list[Drafts | None]:
+    def propose(self, proposal: Proposal, steps: int | None = None) -> list[Drafts | None]:
         """Extend the draft cache over each run's committed positions with the target features of the rows
         that produced them (a verify window's accepted path, or a prefill chunk's tokens), then draft for
-        the runs that reached their last token."""
+        the runs that reached their last token: `steps` tokens (default: the configured S; 0: extend only,
+        as adaptive speculation does for a plain step)."""
+        steps = self.steps if steps is None else steps
         runs, rows, ids, last, need = [], [], [], [], proposal.drafting
         for c in proposal.runs:
             seq, n = c.seq, len(c.rows)
@@ -63,7 +65,7 @@ class Eagle3Proposer:
         tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
         rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
         out = self._extend_and_draft(torch.tensor(ids, **long), proposal.aux[torch.tensor(rows, **long)], ctx,
-                                     torch.tensor(last, **long), tables, rp)
+                                     torch.tensor(last if steps else [], **long), tables, rp, steps)
         if out is None:
             return []
         if isinstance(out, Tree):
@@ -136,7 +138,7 @@ class Eagle3Proposer:
 
     @torch.no_grad()
     def _extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
-                         tables: torch.Tensor, rp: RowParams):
+                         tables: torch.Tensor, rp: RowParams, steps: int):
         """Extend the draft cache over ctx's runs, then draft `steps` tokens for the requests whose last
         extended row is `last_rows` [D] (their block tables `tables` [D, M], sampling rows `rp`).
         Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None), a `Tree` of target
@@ -149,7 +151,7 @@ class Eagle3Proposer:
         if self.topk > 1:
             return self._tree(hidden, pos, tables, rp)
         drafts, qs = [], []
-        for s in range(self.steps):
+        for s in range(steps):
             if s:
                 pos = pos + 1
                 hidden = self._layer(drafts[-1], hidden, Context.one_each(tables, pos, self.block_size))
