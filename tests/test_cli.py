@@ -172,13 +172,13 @@ def test_tune_measures_every_configuration_and_recommends_flags(tiny_dirs, heads
     out = tmp_path / "tune"
     assert main(["tune", "--model", str(tiny_dirs["llama"]), "--draft", str(heads["llama"]), "--prompts",
                  str(prompts), "--concurrency", "1,2", "--max-tokens", "6", "--steps", "2", "--trees", "2x2x4",
-                 "--max-model-len", "128", "--out", str(out)]) == 0
+                 "--max-model-len", "128", "--repeats", "2", "--out", str(out)]) == 0
     report = json.loads((out / "tune.json").read_text())
     names = {r["name"] for r in report["rows"]}
     assert names == {"plain", "ngram 2", "chain 1", "chain 2", "tree 2x2x4", "adaptive 0..2"}
     assert len(report["rows"]) == 6 * 2 and all(r["tok_s"] > 0 for r in report["rows"])
     assert all(r["speedup"] == 1.0 for r in report["rows"] if r["name"] == "plain")
-    assert set(report["recommended"]) == {"1", "2"}
+    assert set(report["recommended"]) == {"1", "2"} and report["repeats"] == 2
     assert (out / "tune.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "recommended, per load:" in printed and "tsengine serve --model" in printed

@@ -19,6 +19,7 @@ so every configuration decodes the same tokens. Greedy unless `--temperature`.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,7 +108,8 @@ def read_prompts(path: str) -> list:
 
 
 def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], max_tokens: int,
-            temperature: float, engine_kw: dict) -> list[Measured]:
+            temperature: float, engine_kw: dict, repeats: int = 1) -> list[Measured]:
+    """Each level `repeats` times; the median tok/s (a shared CPU's speed moves by ±30% between runs)."""
     from tsengine.llm import LLM
     from tsengine.sampling import SamplingParams
 
@@ -125,12 +127,14 @@ def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], 
         engine.scheduler.max_num_seqs = c  # the engine is sized for the largest level
         batch = [{"prompt_token_ids": ids[i % len(ids)]} for i in range(max(c, len(ids)))]
         verify0, accepted0 = engine.stats.num_drafts, engine.stats.num_accepted
-        t0 = time.perf_counter()
-        results = llm.generate(batch, params)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(r.outputs[0].token_ids) for r in results)
+        speeds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            results = llm.generate(batch, params)
+            speeds.append(sum(len(r.outputs[0].token_ids) for r in results) / (time.perf_counter() - t0))
         verify, accepted = engine.stats.num_drafts - verify0, engine.stats.num_accepted - accepted0
-        out.append(Measured(candidate.name, c, tokens / dt, (accepted + verify) / verify if verify else None))
+        out.append(Measured(candidate.name, c, statistics.median(speeds),
+                            (accepted + verify) / verify if verify else None))
     return out
 
 
@@ -145,12 +149,12 @@ def recommend(rows: list[Measured]) -> dict[int, Measured]:
 
 def tune(model: str, draft: str | None, prompts_path: str, levels: list[int], max_tokens: int, steps: int,
          trees: list[tuple[int, int, int]], out_dir: str, temperature: float = 0.0, ngram: bool = True,
-         engine_kw: dict | None = None) -> dict:
+         engine_kw: dict | None = None, repeats: int = 1) -> dict:
     prompts = read_prompts(prompts_path)
     cands = candidates(draft, steps, trees, ngram)
     rows: list[Measured] = []
     for cand in tqdm(cands, desc="tune", unit="config"):
-        rows += measure(model, cand, prompts, levels, max_tokens, temperature, engine_kw or {})
+        rows += measure(model, cand, prompts, levels, max_tokens, temperature, engine_kw or {}, repeats)
     plain = {r.concurrency: r.tok_s for r in rows if r.name == "plain"}
     for r in rows:
         r.speedup = r.tok_s / plain[r.concurrency] if plain.get(r.concurrency) else None
@@ -159,7 +163,7 @@ def tune(model: str, draft: str | None, prompts_path: str, levels: list[int], ma
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     report = {"model": model, "draft": draft, "prompts": prompts_path, "max_tokens": max_tokens,
-              "temperature": temperature, "rows": [asdict(r) for r in rows],
+              "temperature": temperature, "repeats": repeats, "rows": [asdict(r) for r in rows],
               "recommended": {str(c): {"config": r.name, "tok_s": r.tok_s, "speedup": r.speedup,
                                        "serve_flags": by_name[r.name].flags} for c, r in best.items()}}
     (out / "tune.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -14,7 +14,7 @@ Measured online, while serving:
 The choice for B decoding requests: k* = argmax_k B·tokens(k) / (target(B·(k+1)) + draft(B, k)). Speculation
 that does not pay on this machine at this load picks k = 0, which is plain decoding plus the head's one-layer
 extension over the committed rows (kept up so that drafting can resume at any step). Exploration keeps the
-estimates alive: the first steps cycle through every k, then one step in `explore_every` (32) tries a
+estimates alive: the first S+1 steps try every k once, then one step in `explore_every` (32) tries a
 neighbour of the best k, picked by a seeded generator (the decision, never the output, is random). Trying
 any k uniformly cost ~10% at high load, where the best is plain decoding and most other k cost 2-4×.
 
@@ -94,7 +94,7 @@ class AdaptiveProposer:
         """The draft length for the next step of `batch` drafting requests (a test hook may replace it)."""
         self.decisions += 1
         n = self.max_steps + 1
-        if self.decisions <= 3 * n:  # warm-up: every k a few times, so both cost models see every shape
+        if self.decisions <= n:  # warm-up: every k once, so both cost models see every shape
             return self.decisions % n
         best = max(range(n), key=lambda k: self.throughput(k, batch))
         if self.decisions % self.explore_every == 0:  # a neighbour: cheap to try, and it keeps a_k alive
