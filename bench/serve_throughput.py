@@ -1,28 +1,37 @@
-"""Server throughput at several concurrency levels: plain, fixed EAGLE-3 chains, and adaptive speculation.
+"""Server throughput at several concurrency levels: plain, fixed EAGLE-3 chains/trees, NGRAM and adaptive.
 
-Starts `tsengine serve` as a subprocess (127.0.0.1, a free port), waits for /health, then for each
-concurrency c sends c streams of completions at once, `--requests-per-level` in total, greedy,
-`--max-tokens` each with EOS ignored (every request decodes the same count), and reports output
-tokens/s over the level's wall time plus τ from the usage fields.
+Starts one `tsengine serve` subprocess per row (127.0.0.1, free ports) up front and waits for every
+/health. At each concurrency c a row sends c streams of completions at once, `--requests-per-level` in
+total, greedy, `--max-tokens` each with EOS ignored (every request decodes the same count), and reports
+output tokens/s over the level's wall time plus τ from the usage fields.
 
-    python bench/serve_throughput.py --draft DIR [--levels 1,4,16 --max-tokens 128 --chains 1,3 --png FILE]
+    python bench/serve_throughput.py --draft DIR [--levels 1,4,16 --max-tokens 128 --chains 1,3
+        --trees 5x8x32,3x2x6 --ngram --adaptive-flags "..." --rounds 3 --json FILE --png FILE]
 
-Servers run one after another, each over every level, so rows of one run compare side by side.
+Method: rows measured one server after another, minutes apart, varied by ±15% between runs, so noise
+decided comparisons. Now all servers are up together (idle ones run no engine loop), and every level is
+measured in `--rounds` rounds; in each round every server runs the level once, in an order rotated by the
+round (no server always goes first). The summary reports per server and level the median over rounds,
+the min–max, the ratio to plain and, with an adaptive row, adaptive vs the best fixed row.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import shlex
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
 
-MODEL = "smollm2-135m"  # the served model name (set from --target in main)
+MODEL = "bench"  # the served model name (every server gets --served-model-name MODEL)
 
 
 def free_port() -> int:
@@ -31,12 +40,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",")]
+
+
+def tree_list(s: str) -> list[tuple[int, ...]]:  # "5x8x32,3x2x6" -> [(5, 8, 32), (3, 2, 6)]
+    return [tuple(int(x) for x in part.lower().split("x")) for part in s.split(",") if part]
+
+
 async def level(base: str, prompts: list[str], conc: int, total: int, max_tokens: int) -> dict:
     sem = asyncio.Semaphore(conc)
-    tokens = steps = 0
+    tokens = steps = accepted = 0
 
     async def one(client, i):
-        nonlocal tokens, steps
+        nonlocal tokens, steps, accepted
         async with sem:
             r = await client.post(f"{base}/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
@@ -45,88 +62,194 @@ async def level(base: str, prompts: list[str], conc: int, total: int, max_tokens
             u = r.json()["usage"]
             tokens += u["completion_tokens"]
             steps += u.get("spec_verify_steps", 0)
+            accepted += u.get("spec_accepted_tokens", 0)
 
     async with httpx.AsyncClient(timeout=3600) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, i) for i in range(total)))
         dt = time.perf_counter() - t0
-    return {"tok_s": tokens / dt, "tau": (tokens - total) / steps if steps else None, "wall": dt}
+    # τ over verify steps only (adaptive and NGRAM rows also decode plainly): tokens per verify forward
+    return {"tok_s": tokens / dt, "tau": 1 + accepted / steps if steps else None, "wall": dt}
 
 
-def run_server(args, spec: list[str]):
+def server_rows(args) -> list[tuple[str, list[str]]]:
+    rows = [("plain", [])]
+    if args.ngram:
+        rows.append((f"ngram {max(args.chains)}",
+                     ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", str(max(args.chains))]))
+    if args.draft:
+        eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft]
+        rows += [(f"eagle3 chain {k}", [*eagle, "--speculative-num-steps", str(k)]) for k in args.chains]
+        rows += [(f"eagle3 tree {s}x{k}x{n}", [*eagle, "--speculative-num-steps", str(s),
+                  "--speculative-eagle-topk", str(k), "--speculative-num-draft-tokens", str(n)])
+                 for s, k, n in args.trees]
+        if not args.no_adaptive:
+            mode = (["--speculative-config", args.adaptive_config] if args.adaptive_config
+                    else ["--speculative-adaptive"])
+            rows.append((f"adaptive (0..{max(args.chains)})", [*eagle, "--speculative-num-steps",
+                         str(max(args.chains)), *mode, *shlex.split(args.adaptive_flags)]))
+    return rows
+
+
+def start_server(args, spec: list[str]) -> dict:
     port = free_port()
     cmd = [sys.executable, "-m", "tsengine.cli", "serve", "--model", args.target, "--port", str(port),
-           "--max-num-seqs", str(max(args.levels)), *spec]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited: {' '.join(cmd)}")
+           "--served-model-name", MODEL, "--max-num-seqs", str(max(args.levels)),
+           # every server is up at once, so each gets a bounded KV cache (the default sizes it for the whole
+           # context of every request: ~4 GiB for SmolLM2 at 64 requests, five of which exhaust 24 GiB)
+           "--kv-cache-memory", str(args.kv_cache_memory), *spec]
+    log = tempfile.TemporaryFile()  # stderr, shown if the server dies before it is healthy
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=os.environ.copy())
+    return {"proc": proc, "base": f"http://127.0.0.1:{port}", "cmd": cmd, "log": log}
+
+
+def wait_healthy(servers: list[dict], timeout_s: float = 600) -> None:
+    pending, deadline = list(servers), time.monotonic() + timeout_s
+    while pending:
+        for s in list(pending):
+            try:
+                if httpx.get(f"{s['base']}/health", timeout=1).status_code == 200:
+                    pending.remove(s)
+                    continue
+            except httpx.HTTPError:
+                pass
+            if s["proc"].poll() is not None:
+                s["log"].seek(0)
+                tail = s["log"].read().decode(errors="replace")[-2000:]
+                raise SystemExit(f"server exited: {shlex.join(s['cmd'])}\n{tail}")
+        if time.monotonic() > deadline:
+            raise SystemExit("servers did not come up: " + ", ".join(s["name"] for s in pending))
         time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not come up")
+
+
+def stop_servers(servers: list[dict]) -> None:
+    for s in servers:
+        if s["proc"].poll() is None:
+            s["proc"].terminate()
+    for s in servers:
+        try:
+            s["proc"].wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            s["proc"].kill()
+            s["proc"].wait()
+
+
+def policy_counts(base: str) -> dict[str, float]:
+    """An adaptive server's cumulative choices from /metrics (steps per choice, request-steps per source)."""
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(("tsengine:spec_decode_policy_steps_total{", "tsengine:spec_decode_policy_requests_total{")):
+            key, value = line.rsplit(" ", 1)
+            out[key.split("{", 1)[1].rstrip("}").replace('"', "")] = float(value)
+    return out
+
+
+def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
+    raw = []
+    print("| server | concurrency | round | output tok/s | τ | wall s |")
+    print("| --- | --- | --- | --- | --- | --- |", flush=True)
+    for c in args.levels:
+        n = max(c, args.requests_per_level if c > 1 else max(2, args.requests_per_level // 4))
+        for r in range(args.rounds):
+            k = r % len(servers)
+            for s in servers[k:] + servers[:k]:
+                before = policy_counts(s["base"]) if s["name"].startswith("adaptive") else None
+                res = asyncio.run(level(s["base"], prompts, c, n, args.max_tokens))
+                if before is not None:  # what the policy chose during this level
+                    res["choices"] = {k: v - before.get(k, 0) for k, v in policy_counts(s["base"]).items()
+                                      if v > before.get(k, 0)}
+                raw.append({"server": s["name"], "level": c, "round": r, **res})
+                tau = f"{res['tau']:.2f}" if res["tau"] else "-"
+                print(f"| {s['name']} | {c} | {r} | {res['tok_s']:.1f} | {tau} | {res['wall']:.1f} |", flush=True)
+    return raw
+
+
+def summarize(args, names: list[str], raw: list[dict]) -> dict[str, dict[int, dict]]:
+    med: dict[str, dict[int, dict]] = {}
+    for name in names:
+        for c in args.levels:
+            rs = [x for x in raw if x["server"] == name and x["level"] == c]
+            taus = [x["tau"] for x in rs if x["tau"]]
+            tok = [x["tok_s"] for x in rs]
+            med.setdefault(name, {})[c] = {"tok_s": statistics.median(tok), "min": min(tok), "max": max(tok),
+                                           "tau": statistics.median(taus) if taus else None}
+    print(f"\nmedians over {args.rounds} rounds\n")
+    print("| server | concurrency | output tok/s (median) | min–max | τ (median) | vs plain |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in names:
+        for c, m in med[name].items():
+            tau = f"{m['tau']:.2f}" if m["tau"] else "-"
+            ratio = m["tok_s"] / med["plain"][c]["tok_s"]
+            print(f"| {name} | {c} | {m['tok_s']:.1f} | {m['min']:.1f}–{m['max']:.1f} | {tau} | {ratio:.2f}x |")
+    adaptive = [n for n in names if n.startswith("adaptive")]
+    if adaptive:
+        print()
+        for c in args.levels:
+            best_name = max((n for n in names if n not in adaptive), key=lambda n: med[n][c]["tok_s"])
+            gain = med[adaptive[0]][c]["tok_s"] / med[best_name][c]["tok_s"] - 1
+            print(f"concurrency {c}: adaptive vs best fixed ({best_name}): {gain * 100:+.1f}%")
+    return med
+
+
+def plot(args, med: dict[str, dict[int, dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, by_level in med.items():
+        ms = list(by_level.values())
+        err = [[m["tok_s"] - m["min"] for m in ms], [m["max"] - m["tok_s"] for m in ms]]
+        ax.errorbar(list(by_level), [m["tok_s"] for m in ms], yerr=err, marker="o", capsize=3, label=name)
+    ax.set(xscale="log", xlabel="concurrency", ylabel=f"output tok/s (median of {args.rounds}, min–max)",
+           title=f"{args.target} server throughput")
+    ax.set_xticks(args.levels, [str(c) for c in args.levels])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft")
-    ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
+    ap.add_argument("--levels", type=int_list, default=[1, 4, 16])
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--chains", type=lambda s: [int(x) for x in s.split(",")], default=[3],
-                    help="fixed chain lengths to measure (with --draft)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per level, server order rotated each round")
+    ap.add_argument("--chains", type=int_list, default=[3], help="fixed chain lengths to measure (with --draft)")
+    ap.add_argument("--trees", type=tree_list, default=[], help="fixed EAGLE-3 trees STEPSxTOPKxNODES, "
+                    "comma-separated, e.g. 5x8x32,3x2x6 (with --draft)")
+    ap.add_argument("--ngram", action="store_true", help="add an NGRAM row with max(--chains) steps")
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive server (with --draft)")
-    ap.add_argument("--png", help="plot output tok/s per concurrency here")
+    ap.add_argument("--adaptive-config", help="JSON for the adaptive server's --speculative-config "
+                    "(instead of --speculative-adaptive; keys it shares with the row's flags must agree)")
+    ap.add_argument("--adaptive-flags", default="", help="extra flags for the adaptive server (one string)")
+    ap.add_argument("--kv-cache-memory", type=int, default=2 * 10**9, help="KV cache bytes per server")
+    ap.add_argument("--json", help="write raw round results and medians here")
+    ap.add_argument("--png", help="plot median output tok/s per concurrency (min–max bars) here")
     args = ap.parse_args()
-    global MODEL
-    MODEL = args.target
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from engine_speed import val_prompts_text
 
     prompts = val_prompts_text(16)
-    rows = [("plain", [])]
-    if args.draft:
-        eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft]
-        rows += [(f"eagle3 chain {k}", [*eagle, "--speculative-num-steps", str(k)]) for k in args.chains]
-        if not args.no_adaptive:
-            rows.append((f"adaptive (0..{max(args.chains)})",
-                         [*eagle, "--speculative-num-steps", str(max(args.chains)), "--speculative-adaptive"]))
-    results: dict[str, dict[int, float]] = {}
-    print("| server | concurrency | output tok/s | τ | wall s |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, spec in rows:
-        proc, base = run_server(args, spec)
-        try:
-            asyncio.run(level(base, prompts, 1, 1, 8))  # warm-up
-            for c in args.levels:
-                n = max(c, args.requests_per_level if c > 1 else max(2, args.requests_per_level // 4))
-                r = asyncio.run(level(base, prompts, c, n, args.max_tokens))
-                tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-                print(f"| {name} | {c} | {r['tok_s']:.1f} | {tau} | {r['wall']:.1f} |", flush=True)
-                results.setdefault(name, {})[c] = r["tok_s"]
-        finally:
-            proc.terminate()
-            proc.wait()
+    servers = []
+    try:
+        for name, spec in server_rows(args):
+            servers.append({"name": name, **start_server(args, spec)})
+        wait_healthy(servers)
+        for s in servers:
+            asyncio.run(level(s["base"], prompts, 1, 1, 8))  # warm-up
+        raw = measure(args, servers, prompts)
+    finally:
+        stop_servers(servers)
+    med = summarize(args, [s["name"] for s in servers], raw)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rounds": raw, "medians": med}, f, indent=1)
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, by_level in results.items():
-            ax.plot(list(by_level), list(by_level.values()), marker="o", label=name)
-        ax.set(xscale="log", xlabel="concurrency", ylabel="output tok/s", title=f"{args.target} server throughput")
-        ax.set_xticks(args.levels, [str(c) for c in args.levels])
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
+        plot(args, med)
 
 
 if __name__ == "__main__":

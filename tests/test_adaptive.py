@@ -1,5 +1,5 @@
-"""Adaptive speculation (tsengine/spec/adaptive.py, issue 15): lossless under any decisions, and a policy
-that follows what it measures."""
+"""Adaptive speculation (tsengine/spec/adaptive.py, issue 15): lossless under any decisions (plain, chains,
+trees, prompt lookup, per-request sources), and a policy that follows what it measures."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import random
 import pytest
 from prometheus_client import generate_latest
 
-from tests.helpers import PROMPTS, make_llm
-from tsengine.config import SpeculativeConfig
+from tests.helpers import PROMPTS, make_llm, serving
+from tsengine.config import EngineConfig, SpeculativeConfig
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.prometheus import PrometheusMetrics
 from tsengine.sampling import SamplingParams
-from tsengine.spec.adaptive import Acceptance, AdaptiveProposer, LinearCost
+from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan
+from tsengine.spec.drafts import Proposal
+from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.9, seed=4, max_tokens=24, ignore_eos=True),
@@ -22,28 +24,54 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
 
 
-def adaptive_llm(tiny_dirs, head, **kw) -> LLM:
+def adaptive_llm(tiny_dirs, head, tree: bool = False, **kw) -> LLM:
     kw = {"debug_checks": True, "block_size": 4, "max_num_batched_tokens": 16, **kw}
-    return LLM(str(tiny_dirs["llama"]), speculative_config={"method": "auto", "model": str(head),
-                                                            "num_speculative_tokens": 3}, **kw)
+    spec = {"method": "auto", "model": str(head), "num_speculative_tokens": 3}
+    if tree:
+        spec.update(eagle_topk=2, num_draft_tokens=6)
+    return LLM(str(tiny_dirs["llama"]), speculative_config=spec, **kw)
+
+
+def random_plans(policy: AdaptivePolicy, rng: random.Random):
+    """A `choose` that ignores every estimate: a random arm, and per request a random source among those
+    it has (prompt lookup only where its tokens offer a continuation)."""
+
+    def choose(stats, found):
+        if rng.random() < 0.1:  # the head's upkeep switched off and on (prompt lookup and plain meanwhile)
+            policy.head_on = not policy.head_on
+        arm = rng.choice(policy.arms)
+        if arm.is_tree or not arm.steps:
+            return Plan(arm, ["eagle3" if arm.steps else "plain"] * len(found))
+        return Plan(arm, [rng.choice(["eagle3", "plain"] + (["ngram"] if f else [])) for f in found])
+
+    return choose
 
 
 @pytest.mark.parametrize("blocks", [None, 40], ids=["roomy", "preempting"])
 def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
-    """Random draft lengths forced through the test hook, mixed greedy/seeded batch, chunked prefill, and
-    (40 blocks) preemption: every token is plain decoding's."""
+    """Random plans forced through the test hook (plain, chains 1..3, a 3x2x6 tree; per request the head,
+    prompt lookup or nothing), a mixed greedy/seeded batch, chunked prefill and (40 blocks) preemption:
+    every token is plain decoding's."""
     kw = {"num_kv_blocks": blocks, "max_model_len": 128} if blocks else {}
     want = [o.outputs[0].token_ids for o in make_llm(tiny_dirs, **kw).generate(PROMPTS, PARAMS)]
-    llm = adaptive_llm(tiny_dirs, heads["llama"], **kw)
-    rng = random.Random(7)
-    llm.engine.proposer.choose = lambda batch: rng.randrange(4)
+    llm = adaptive_llm(tiny_dirs, heads["llama"], tree=True, **kw)
+    policy = llm.engine.proposer.policy
+    policy.choose = random_plans(policy, random.Random(7))
+    switched, real_propose = [0], llm.engine.proposer.propose
+
+    def propose(proposal):  # counts the steps run with the head off
+        switched[0] += not policy.head_on
+        return real_propose(proposal)
+
+    llm.engine.proposer.propose = propose
     scheduler, preempted = llm.engine.scheduler, []
     real_preempt = scheduler._preempt
     scheduler._preempt = lambda seq: (preempted.append(seq), real_preempt(seq))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     assert got == want
-    proposer = llm.engine.proposer
-    assert sum(1 for n in proposer.chosen if n) >= 3, proposer.chosen  # several lengths were really run
+    assert {"plain", "chain 1", "chain 3", "tree 3x2x6"} <= set(policy.chosen), policy.chosen
+    assert switched[0] > 1, switched
+    assert policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0, policy.drafted_by
     stats = llm.engine.stats
     assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0
     assert bool(preempted) == bool(blocks), len(preempted)
@@ -51,22 +79,60 @@ def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
 
 def test_the_policy_runs_unforced_and_stays_lossless(tiny_dirs, heads):
     want = [o.outputs[0].token_ids for o in make_llm(tiny_dirs).generate(PROMPTS * 2, PARAMS * 2)]
-    llm = adaptive_llm(tiny_dirs, heads["llama"])
+    llm = adaptive_llm(tiny_dirs, heads["llama"], tree=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, PARAMS * 2)] == want
-    p = llm.engine.proposer
+    p = llm.engine.proposer.policy
     assert p.target_cost.samples > 10 and p.draft_cost.samples > 10
+    assert sum(p.chosen.values()) == p.decisions
     text = generate_latest(PrometheusMetrics(llm.engine).registry).decode()
-    for family in ("spec_decode_draft_length", "spec_decode_acceptance_estimate",
-                   "spec_decode_cost_model_seconds", "spec_decode_num_drafted_tokens_per_pos_total"):
+    for family in ("spec_decode_draft_length", "spec_decode_acceptance_estimate{position=\"0\",source=\"ngram\"}",
+                   "spec_decode_tree_tokens_estimate{shape=\"3x2x6\"}", "spec_decode_cost_model_seconds",
+                   "spec_decode_policy_steps_total", "spec_decode_policy_requests_total",
+                   "spec_decode_num_drafted_tokens_per_pos_total"):
         assert f"tsengine:{family}" in text, family
+    assert "policy: chose" in p.describe()
+
+
+def test_the_server_runs_the_policy(tiny_dirs, heads):
+    """Through `serve`: concurrent greedy completions equal plain decoding's, and /metrics shows the policy."""
+    prompts = ["the water is", "once upon a time", "a b a b a b a"]
+    want = [o.outputs[0].text for o in make_llm(tiny_dirs).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    spec = SpeculativeConfig.resolve(config_json={"method": "auto", "model": str(heads["llama"]),
+                                                  "num_speculative_tokens": 3, "eagle_topk": 2, "num_draft_tokens": 6})
+    config = EngineConfig.make(model=str(tiny_dirs["llama"]), block_size=4, debug_checks=True, speculative=spec)
+    with serving(config, "tiny", None) as server:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda p: server.client.completions.create(
+                model="tiny", prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}).choices[0].text,
+                prompts))
+        metrics = server.client._client.get(server.url + "/metrics").text
+    assert got == want
+    assert "tsengine:spec_decode_policy_steps_total{choice=" in metrics
+    assert "tsengine:spec_decode_cost_model_seconds{part=\"target\",term=\"per_chain_row\"}" in metrics
 
 
 def test_linear_cost_recovers_a_line():
-    model = LinearCost(2, forget=1.0)
+    model = LinearCost(("base", "per_row"), forget=1.0)
     for rows in range(1, 60):
         model.update([1.0, rows], 0.01 + 0.002 * rows)
-    assert model.theta.tolist() == pytest.approx([0.01, 0.002], rel=1e-3)
+    assert model.theta == pytest.approx([0.01, 0.002], rel=1e-3)
     assert model.predict([1.0, 100]) == pytest.approx(0.21, rel=1e-3)
+
+
+def test_linear_cost_holds_still_on_one_shape():
+    """With forgetting, 2,000 steps of one row count leave the other direction unexcited; the capped
+    covariance keeps the fitted line where it was, so one step of another shape cannot swing it."""
+    model = LinearCost(("base", "per_row"), forget=0.99)
+    for rows in list(range(1, 30)) * 3:
+        model.update([1.0, rows], 0.01 + 0.002 * rows)
+    for _ in range(2000):
+        model.update([1.0, 8], 0.01 + 0.002 * 8)
+    model.update([1.0, 32], 0.01 + 0.002 * 32 + 0.005)  # one noisy step elsewhere
+    assert model.predict([1.0, 4]) == pytest.approx(0.018, rel=0.1)
+    assert float(model.p.diagonal().max()) <= model.prior
 
 
 def test_acceptance_counts_the_accepted_run():
@@ -74,39 +140,85 @@ def test_acceptance_counts_the_accepted_run():
     a.observe(3, 1)  # drafted 3, accepted 1: position 0 hit, 1 and 2 missed
     a.observe(2, 2)
     assert a.rates() == [1.0, 0.5, 0.0] and a.tokens(2) == 2.5
+    r = PerRequest(3)
+    for _ in range(50):
+        r.observe("ngram", 3, 3)
+    assert r.tokens("ngram", 3, Acceptance(3, prior_rate=0.1)) > 3.75 # its own record outweighs the average
+    assert r.tokens("eagle3", 3, a) == pytest.approx(a.tokens(3))  # untried: the average
 
 
-class _Fake:
-    def __init__(self):
-        self.steps = 3
-
-
-def trained_policy(draft_step_seconds: float) -> AdaptiveProposer:
-    """A policy whose models were fed: target 10 ms + 0.1 ms per row; drafting `draft_step_seconds` per step;
-    every draft accepted."""
-    p = AdaptiveProposer(_Fake(), 3)
-    p.decisions = 100  # past warm-up
+def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = True) -> AdaptivePolicy:
+    """A policy whose models were fed: target 10 ms + 0.1 ms per row; drafting `draft_step_seconds` per
+    sequential head forward; the head's drafts accepted `accepted` of 3."""
+    p = AdaptivePolicy(3, ngram=ngram)
+    p.decisions = 100  # past warm-up, not on an exploration step
     for rows in range(1, 80):
         p.target_cost.update([1.0, rows, 0.0], 0.010 + 0.0001 * rows)
-        p.target_cost.update([1.0, 1, rows * 4], 0.010 + 0.0001 + 0.00001 * rows * 4)
+        p.target_cost.update([1.0, 1, rows * 4], 0.010 + 0.0001 + 0.00015 * rows * 4)
     for batch in (1, 2, 4, 8):
         for k in range(4):
             p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
     for _ in range(200):
-        p.acceptance.observe(3, 3)
+        p.eagle.observe(3, accepted)
     return p
 
 
 def test_the_policy_speculates_when_it_pays_and_not_when_it_does_not():
-    assert trained_policy(draft_step_seconds=0.0005).choose(4) == 3  # cheap, always accepted
-    assert trained_policy(draft_step_seconds=0.05).choose(4) == 0  # drafting costs 5 target steps
-    never = AdaptiveProposer(_Fake(), 3)
-    never.decisions = 100
-    for rows in range(1, 80):
-        never.target_cost.update([1.0, rows, 0.0], 0.010 + 0.0001 * rows)
-    for _ in range(500):
-        never.acceptance.observe(3, 0)
-    assert never.choose(4) == 0  # nothing is ever accepted
+    plan = trained_policy(draft_step_seconds=0.0005).choose([None] * 4, [None] * 4)
+    assert plan.arm == Arm(3) and plan.sources == ["eagle3"] * 4  # cheap, always accepted
+    assert trained_policy(draft_step_seconds=0.05).choose([None] * 4, [None] * 4).arm == Arm(0)  # 5 target steps
+    assert trained_policy(0.0005, accepted=0).choose([None] * 4, [None] * 4).arm == Arm(0)  # never accepted
+
+
+def test_each_request_gets_the_source_that_pays_for_it():
+    """The head is poor here; one request's prompt lookup has always been right, another's never: the
+    first drafts by lookup, the others decode plainly (speculating for them costs rows for nothing)."""
+    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    good, bad = PerRequest(3), PerRequest(3)
+    for _ in range(200):
+        good.observe("ngram", 3, 3)
+        bad.observe("ngram", 3, 0)
+    plan = p.choose([good, bad, None, None], [[1, 2, 3], [4, 5, 6], None, None])
+    assert plan.arm.steps >= 2 and plan.sources == ["ngram", "plain", "plain", "plain"], plan
+
+
+def test_what_an_arm_delivers_corrects_its_prediction():
+    """The lines say chain 3; its steps keep delivering half the predicted tokens per second (say the head
+    is poor on today's prompts): the policy moves to the next best arm."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    assert plan.arm == Arm(3) and plan.raw_tokens_per_s > 0
+    for _ in range(30):
+        p.learn_draft(16, plan, 0.002)
+        seconds = 0.0116
+        p.learn(Proposal([], None, decode_rows=16, target_seconds=seconds,
+                         tokens=round(0.5 * plan.raw_tokens_per_s * (seconds + 0.002))))
+    assert p.correction("chain 3", 4) == pytest.approx(0.5, abs=0.05)
+    assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
+    assert p.correction("chain 3", 16) == p.correction("chain 3", 4)  # an unseen bucket borrows the nearest's
+    assert p.correction("chain 1", 4) == p.correction("chain 3 ngram", 4) == 1.0
+
+
+def test_the_head_switches_off_where_it_cannot_pay_and_back_on():
+    """Drafting costs 5 target steps: after `switch_after` decisions the head's upkeep stops (and its plans
+    draft nothing from it); once drafting is cheap again it comes back."""
+    p = trained_policy(draft_step_seconds=0.05)
+    for _ in range(p.switch_after):
+        assert p.head_on
+        p.choose([None] * 4, [None] * 4)
+    assert not p.head_on
+    gap = PerRequest(3)
+    gap.head_gap = True
+    assert all(s != "eagle3" for plan in p.candidates([gap, None], [None, [1, 2]]) for s in plan.sources)
+    for _ in range(50):  # the drafter got cheap (the fit forgets the old steps)
+        for batch in (1, 2, 4, 8):
+            for k in range(4):
+                p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + 0.0005 * k)
+    for _ in range(p.switch_after):
+        p.choose([None] * 4, [None] * 4)
+    assert p.head_on
+    plan = p.choose([gap, None, None, None], [None] * 4)
+    assert plan.sources[0] == "plain" and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
 
 
 def test_config_forms():
@@ -114,8 +226,8 @@ def test_config_forms():
     assert auto.algorithm == "EAGLE3" and auto.adaptive and auto.num_steps == 4
     flag = SpeculativeConfig.resolve(algorithm="EAGLE3", draft_model_path="HEAD", adaptive=True)
     assert flag.adaptive
-    with pytest.raises(UserError, match="adaptive speculation chooses among EAGLE3 chain lengths"):
-        SpeculativeConfig.resolve(algorithm="EAGLE3", draft_model_path="HEAD", adaptive=True, eagle_topk=2,
-                                  num_draft_tokens=4)
-    with pytest.raises(UserError, match="adaptive speculation"):
+    tree = SpeculativeConfig.resolve(algorithm="EAGLE3", draft_model_path="HEAD", adaptive=True, eagle_topk=8,
+                                     num_steps=5, num_draft_tokens=32)
+    assert [a.name for a in AdaptivePolicy(tree.num_steps, (5, 8, 32)).arms][-2:] == ["tree 5x8x32", "tree 3x2x6"]
+    with pytest.raises(UserError, match="adaptive speculation chooses among"):
         SpeculativeConfig.resolve(algorithm="NGRAM", adaptive=True)

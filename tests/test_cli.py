@@ -85,6 +85,10 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
     assert tree.returncode == 0 and tree.stdout == plain.stdout, tree.stderr
     ngram = run(*common, "--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3")
     assert ngram.returncode == 0 and ngram.stdout == plain.stdout, ngram.stderr
+    adaptive = run(*common, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+                   "--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens",
+                   "6", "--speculative-adaptive")
+    assert adaptive.returncode == 0 and adaptive.stdout == plain.stdout, adaptive.stderr
     eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)]
     sampled = [*common, "--temperature", "0.8", "--seed-sample", "4"]
     for rule in (["--speculative-num-steps", "2", "--enable-speculative-sampling"],
@@ -178,6 +182,8 @@ def test_tune_measures_every_configuration_and_recommends_flags(tiny_dirs, heads
     assert names == {"plain", "ngram 2", "chain 1", "chain 2", "tree 2x2x4", "adaptive 0..2"}
     assert len(report["rows"]) == 6 * 2 and all(r["tok_s"] > 0 for r in report["rows"])
     assert all(r["speedup"] == 1.0 for r in report["rows"] if r["name"] == "plain")
+    shares = [r["choices"] for r in report["rows"] if r["name"] == "adaptive 0..2"]
+    assert all(sum(s.values()) == pytest.approx(1.0) for s in shares) and len(shares) == 2
     assert set(report["recommended"]) == {"1", "2"} and report["repeats"] == 2
     assert (out / "tune.png").stat().st_size > 1000
     printed = capsys.readouterr().out

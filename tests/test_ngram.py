@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tests.helpers import PROMPTS, greedy_truth
 from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
-from tsengine.spec.ngram import propose
+from tsengine.spec.ngram import NgramIndex, propose
 
 
 def test_propose_longest_then_latest_match():
@@ -17,6 +19,20 @@ def test_propose_longest_then_latest_match():
     assert propose([5, 6, 7], 3, 1, 3) is None  # nothing repeats
     assert propose([1, 2, 1], 4, 1, 2) == [2, 1]  # a short continuation is still a proposal
     assert propose([3, 3, 3, 3], 2, 2, 2) == [3]  # the latest match wins even with a shorter continuation
+
+
+def test_the_index_answers_as_the_search_does():
+    """NgramIndex (a dict updated as tokens arrive) against `propose` (the search): every prefix of random
+    token lists over small alphabets, so matches, overlaps and ties are common."""
+    rng = random.Random(0)
+    for trial in range(60):
+        tokens = [rng.randrange(2 + trial % 5) for _ in range(rng.randrange(1, 60))]
+        n_min = rng.randrange(1, 3)
+        n_max = n_min + rng.randrange(0, 3)
+        index = NgramIndex(n_min, n_max)
+        for end in range(1, len(tokens) + 1):
+            if rng.random() < 0.5:  # the index catches up over several appended tokens too
+                assert index.lookup(tokens[:end], 3) == propose(tokens[:end], 3, n_min, n_max), (tokens[:end], n_min, n_max)
 
 
 def ngram_llm(tiny_dirs, kind="llama", steps=3, topk=None, **kw):

@@ -85,8 +85,9 @@ class SpeculativeConfig(_Strict):
         "temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround (point-mass "
         "multi-round rejection)"))
     adaptive: bool = Field(False, description=(
-        "choose the draft length every step (0 = plain decoding .. num_steps) from the measured acceptance and "
-        "step cost (EAGLE3 chain; tsengine/spec/adaptive.py)"))
+        "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
+        "lookup or none) and the configured tree, from the measured acceptance and step cost "
+        "(tsengine/spec/adaptive.py)"))
 
     @property
     def rule(self) -> str:
@@ -107,9 +108,9 @@ class SpeculativeConfig(_Strict):
                             "DIR (or \"model\" in --speculative-config)")
         if self.algorithm == "NGRAM" and self.draft_model_path:
             problems.append("speculative_draft_model_path is set but NGRAM uses no draft model")
-        if self.adaptive and (self.algorithm != "EAGLE3" or self.eagle_topk > 1):
-            problems.append("adaptive speculation chooses among EAGLE3 chain lengths: it needs --speculative-algorithm "
-                            "EAGLE3 and --speculative-eagle-topk 1")
+        if self.adaptive and self.algorithm != "EAGLE3":
+            problems.append("adaptive speculation chooses among plain decoding, prompt lookup and the EAGLE3 head's "
+                            "chains and trees: it needs --speculative-algorithm EAGLE3 and a draft model")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             problems.append(f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}")
         fail_if(problems, "invalid speculative decoding settings")

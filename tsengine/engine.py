@@ -68,6 +68,8 @@ class Engine:
                                    s.num_draft_tokens if s else 1, reserve_slots(s))
         self.requests: dict[str, Sequence] = {}
         self.stats = Stats(self.spec_steps)
+        if hasattr(self.proposer, "policy"):
+            self.stats.describe_policy = self.proposer.policy.describe
         self.quarantine = Quarantine()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
@@ -135,7 +137,8 @@ class Engine:
         t2 = time.perf_counter()
         decode = sum(s.num_tokens for s in batch if s.verify or s.num_tokens == 1)
         prefill = sum(s.num_tokens for s in batch) - decode
-        outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, t1 - t0), solo)
+        tokens = sum(len(o.new_tokens) for o in outputs)
+        outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, t1 - t0, tokens), solo)
         if solo is not None:
             self.quarantine.release(solo)
         if self.config.debug_checks:

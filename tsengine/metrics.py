@@ -17,6 +17,7 @@ class Stats:
         self.requests_started = self.generated_tokens = self.steps = 0
         self.time_forward = self.time_commit = self.time_draft = 0.0
         self.log_every_s, self._last_log, self._window = log_every_s, time.monotonic(), [0, 0]
+        self.describe_policy = None  # adaptive speculation's own summary for the log line, when it runs
 
     def verified(self, accepted: int, drafted: int) -> None:
         """`drafted`: the chain's length (a tree counts its S steps, as vLLM counts num_spec_tokens)."""
@@ -45,6 +46,8 @@ class Stats:
                      reqs, self._window[0] / dt, self._window[0] / max(1, self._window[1]),
                      f", accept len: {self.mean_acceptance_length:.2f}, acceptance per pos: {' '.join(rates)}"
                      if rates else "")
+            if self.describe_policy is not None:
+                log.info(self.describe_policy())
             self._last_log, self._window = now, [0, 0]
 
     @property

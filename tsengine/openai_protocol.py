@@ -138,8 +138,9 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 
 
 def usage(prompt_tokens: int, completion_tokens: int, spec: tuple[int, int] | None) -> dict:
-    """OpenAI's usage; with speculation also the verify steps (target forwards that decoded) and the
-    accepted draft tokens, so a client can compute τ = completion_tokens / spec_verify_steps."""
+    """OpenAI's usage; with speculation also the verify steps (target forwards that verified drafts) and the
+    accepted draft tokens, so a client can compute τ = 1 + spec_accepted_tokens / spec_verify_steps (tokens
+    per verify forward; NGRAM and adaptive speculation also decode some steps plainly)."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
            "total_tokens": prompt_tokens + completion_tokens}
     if spec is not None:

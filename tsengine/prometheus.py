@@ -35,29 +35,47 @@ class _EngineCollector:
         for i, v in enumerate(list(st.drafted_per_pos)):
             drafted.add_metric([str(i)], v)
         yield drafted
-        policy = getattr(e.proposer, "acceptance", None)
-        if policy is not None:  # adaptive speculation's own running estimates and its current choice
-            yield GaugeMetricFamily("tsengine:spec_decode_draft_length", "Draft length chosen for the last step "
-                                    "(0: plain decoding).", value=e.proposer.draft_len)
-            est = GaugeMetricFamily("tsengine:spec_decode_acceptance_estimate", "Running estimate of P(the first "
-                                    "i+1 drafts are accepted), by position i.", labels=["position"])
-            for i, rate in enumerate(policy.rates()):
-                est.add_metric([str(i)], rate)
-            yield est
-            cost = GaugeMetricFamily("tsengine:spec_decode_cost_model_seconds", "Fitted step-cost model: target "
-                                     "seconds = base + per_decode_row·rows + per_prefill_row·rows; draft seconds = base + per_request·B + "
-                                     "per_step·k + per_step_request·k·B.", labels=["part", "term"])
-            for part, model, terms in (("target", e.proposer.target_cost, ("base", "per_decode_row", "per_prefill_row")),
-                                       ("draft", e.proposer.draft_cost,
-                                        ("base", "per_request", "per_step", "per_step_request"))):
-                for term, value in zip(terms, model.theta.tolist()):
-                    cost.add_metric([part, term], value)
-            yield cost
+        policy = getattr(e.proposer, "policy", None)
+        if policy is not None:
+            yield from _policy_metrics(e.proposer.draft_len, policy)
         sched, blocks = e.scheduler, e.runner.blocks
         yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=len(sched.running))
         yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=len(sched.waiting))
         yield GaugeMetricFamily("tsengine:kv_cache_usage_perc", "Fraction of KV blocks in use.",
                                 value=1 - blocks.num_free / max(1, blocks.num_blocks))
+
+
+def _policy_metrics(draft_len: int, policy):
+    """Adaptive speculation's running estimates, fitted costs and choices (tsengine/spec/adaptive.py)."""
+    yield GaugeMetricFamily("tsengine:spec_decode_draft_length", "Draft length (chain) or depth (tree) chosen for "
+                            "the last step (0: plain decoding).", value=draft_len)
+    est = GaugeMetricFamily("tsengine:spec_decode_acceptance_estimate", "Running estimate of P(the first i+1 "
+                            "drafts are accepted), by draft source and position i.", labels=["source", "position"])
+    for source, acc in (("eagle3", policy.eagle), ("ngram", policy.lookup)):
+        for i, rate in enumerate(acc.rates()):
+            est.add_metric([source, str(i)], rate)
+    yield est
+    trees = GaugeMetricFamily("tsengine:spec_decode_tree_tokens_estimate", "Running mean of tokens committed "
+                              "per verify window, by tree shape (steps x topk x nodes).", labels=["shape"])
+    for arm, mean in policy.tree_tokens.items():
+        trees.add_metric([arm.name.split()[1]], mean.mean)
+    yield trees
+    cost = GaugeMetricFamily("tsengine:spec_decode_cost_model_seconds", "Fitted step-cost models (seconds per "
+                             "unit): the target's forward and the drafter's step.", labels=["part", "term"])
+    for part, model in (("target", policy.target_cost), ("draft", policy.draft_cost)):
+        for term, value in zip(model.names, model.theta):
+            cost.add_metric([part, term], value)
+    yield cost
+    chosen = CounterMetricFamily("tsengine:spec_decode_policy_steps", "Steps run with each choice "
+                                 "(plain, chain k, tree SxKxN).", labels=["choice"])
+    for name, n in sorted(list(policy.chosen.items())):  # a copy: the engine thread adds keys
+        chosen.add_metric([name], n)
+    yield chosen
+    sources = CounterMetricFamily("tsengine:spec_decode_policy_requests", "Request-steps by draft source "
+                                  "(eagle3, ngram, plain).", labels=["source"])
+    for name, n in sorted(list(policy.drafted_by.items())):
+        sources.add_metric([name], n)
+    yield sources
 
 
 class PrometheusMetrics:

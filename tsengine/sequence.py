@@ -19,6 +19,7 @@ from tsengine.sampling import SamplingParams
 if TYPE_CHECKING:
     from tsengine.capture import CaptureBuffer
     from tsengine.spec.drafts import Drafts
+    from tsengine.spec.ngram import NgramIndex
 
 _ids = itertools.count()
 
@@ -46,6 +47,8 @@ class Sequence:
     num_preempted: int = 0
     verify_steps: int = 0
     accepted: int = 0  # draft tokens accepted in total
+    ngram: "NgramIndex | None" = None  # prompt lookup's index of this request's tokens (NGRAM, adaptive)
+    spec_stats: object = None  # adaptive speculation's acceptance counts for this request (spec/adaptive.py)
 
     def __post_init__(self):
         self.prompt_len = self.prompt_len or len(self.tokens)

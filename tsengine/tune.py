@@ -6,7 +6,8 @@ machine, with the user's prompts:
 - plain decoding;
 - NGRAM;
 - EAGLE-3 chains of each length 1..S, and a few tree shapes;
-- adaptive speculation (tsengine/spec/adaptive.py).
+- adaptive speculation (tsengine/spec/adaptive.py) over all of these: plain, prompt lookup per request,
+  chains 1..S and the largest tree given.
 
 Each runs at each concurrency. It prints a table (output tok/s, τ, speedup over plain), writes it as JSON
 and a PNG, and prints the `tsengine serve` flags of the fastest configuration for each load.
@@ -45,6 +46,7 @@ class Measured:
     tok_s: float
     tau: float | None
     speedup: float | None = None  # over plain at the same concurrency
+    choices: dict[str, float] | None = None  # adaptive: the share of steps per choice (plain, chain k, tree)
 
 
 def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]], ngram: bool) -> list[Candidate]:
@@ -63,9 +65,16 @@ def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]],
                                                         "--speculative-num-draft-tokens", str(n)],
                                  {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": s, "eagle_topk": k,
                                   "num_draft_tokens": n}))
-        out.append(Candidate(f"adaptive 0..{steps}", [*eagle, "--speculative-num-steps", str(steps),
+        # adaptive chooses among plain, NGRAM, chains 1..S and the largest tree (S: that tree's depth)
+        tree = max(trees, key=lambda t: t[2]) if trees else None
+        depth = tree[0] if tree else steps
+        shape = {"eagle_topk": tree[1], "num_draft_tokens": tree[2]} if tree else {}
+        out.append(Candidate(f"adaptive 0..{depth}", [*eagle, "--speculative-num-steps", str(depth),
+                                                      *([] if tree is None else ["--speculative-eagle-topk", str(tree[1]),
+                                                        "--speculative-num-draft-tokens", str(tree[2])]),
                                                       "--speculative-adaptive"],
-                             {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": steps, "adaptive": True}))
+                             {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": depth, "adaptive": True,
+                              **shape}))
     return out
 
 
@@ -127,14 +136,20 @@ def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], 
         engine.scheduler.max_num_seqs = c  # the engine is sized for the largest level
         batch = [{"prompt_token_ids": ids[i % len(ids)]} for i in range(max(c, len(ids)))]
         verify0, accepted0 = engine.stats.num_drafts, engine.stats.num_accepted
+        policy = getattr(engine.proposer, "policy", None)
+        chosen0 = dict(policy.chosen) if policy is not None else {}
         speeds = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             results = llm.generate(batch, params)
             speeds.append(sum(len(r.outputs[0].token_ids) for r in results) / (time.perf_counter() - t0))
         verify, accepted = engine.stats.num_drafts - verify0, engine.stats.num_accepted - accepted0
+        choices = None
+        if policy is not None:
+            steps = {k: n - chosen0.get(k, 0) for k, n in policy.chosen.items() if n > chosen0.get(k, 0)}
+            choices = {k: n / sum(steps.values()) for k, n in sorted(steps.items(), key=lambda kv: -kv[1])}
         out.append(Measured(candidate.name, c, statistics.median(speeds),
-                            (accepted + verify) / verify if verify else None))
+                            (accepted + verify) / verify if verify else None, choices=choices))
     return out
 
 
@@ -191,12 +206,13 @@ def plot(rows: list[Measured], levels: list[int], path: Path, model: str) -> Non
 
 
 def print_report(report: dict, model: str) -> None:
-    print("| config | concurrency | output tok/s | τ | vs plain |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| config | concurrency | output tok/s | τ | vs plain | steps by choice (adaptive) |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in report["rows"]:
         tau = f"{r['tau']:.2f}" if r["tau"] else "-"
         speed = f"{r['speedup']:.2f}×" if r["speedup"] else "-"
-        print(f"| {r['name']} | {r['concurrency']} | {r['tok_s']:.1f} | {tau} | {speed} |")
+        chose = ", ".join(f"{k} {v:.0%}" for k, v in (r.get("choices") or {}).items())
+        print(f"| {r['name']} | {r['concurrency']} | {r['tok_s']:.1f} | {tau} | {speed} | {chose} |")
     print("\nrecommended, per load:")
     for c, rec in report["recommended"].items():
         flags = " ".join(rec["serve_flags"])

@@ -18,8 +18,11 @@ def build_proposer(spec, runner) -> Proposer:
 
     eagle = Eagle3Proposer(runner.head, spec.num_steps, runner.draft_kv, runner.block_size, runner.backend,
                            spec.eagle_topk, spec.num_draft_tokens, spec.rule)
-    if spec.adaptive:
+    if spec.adaptive:  # NGRAM's drafts carry no q: the rejection rule cannot verify them
         from tsengine.spec.adaptive import AdaptiveProposer
+        from tsengine.spec.ngram import NgramProposer
 
-        return AdaptiveProposer(eagle, spec.num_steps)
+        ngram = NgramProposer(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
+        tree = (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) if spec.is_tree else None
+        return AdaptiveProposer(eagle, ngram, spec.num_steps, tree, use_ngram=spec.rule != "rejection")
     return eagle

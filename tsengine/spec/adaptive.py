@@ -1,120 +1,349 @@
-"""Adaptive speculation: every step, the EAGLE-3 draft length k (0 = plain decoding .. S) that maximises the
-measured tokens per second of the next step.
+"""Adaptive speculation: every step, the way of running the next step that maximises its predicted tokens per
+second, from acceptance and costs measured while serving (`tsengine/spec/estimates.py`).
 
-Measured online, while serving:
-  acceptance  for each draft position i, over the verify steps that drafted it, how often the first i
-              drafts were all accepted (`Acceptance`). A window of k drafts then commits
-              tokens(k) = 1 + a_1 + ... + a_k per request (the bonus token plus the accepted run).
-  cost        the target's step time as a + b·decode rows + c·prefill rows (a prefill row costs less: one
-              weight read serves many rows; one slope for both made verify windows look cheap), and
-              the drafter's as d + e·B + f·k + g·k·B
-              (B requests drafting k tokens each), both fitted by recursive least squares that forget
-              old steps (`LinearCost`), so the model follows the load and the machine.
+The choices (`Arm`): plain decoding; an EAGLE-3 chain of k = 1..S drafts; the configured EAGLE-2 tree (and
+a small 3x2x6 tree beside a larger one). Within a chain of length k each request is decided apart: it
+drafts from the head, from prompt lookup (NGRAM, where its own tokens offer a continuation), or not at
+all, whichever its own running acceptance (shrunk towards the average) says commits more. That is the
+hybrid drafter in its cheap form: one batch, one target forward, two sources; a tree whose branches mix
+both sources is not built (see docs/speculation-guide.md).
 
-The choice for B decoding requests: k* = argmax_k B·tokens(k) / (target(B·(k+1)) + draft(B, k)). Speculation
-that does not pay on this machine at this load picks k = 0, which is plain decoding plus the head's one-layer
-extension over the committed rows (kept up so that drafting can resume at any step). Exploration keeps the
-estimates alive: the first S+1 steps try every k once, then one step in `explore_every` (32) tries a
-neighbour of the best k, picked by a seeded generator (the decision, never the output, is random). Trying
-any k uniformly cost ~10% at high load, where the best is plain decoding and most other k cost 2-4×.
+The prediction for B decoding requests, m of which draft (k tokens each, E of them from the head), with
+expected gains g_j (tokens beyond the one plain decoding gives):
+    tokens   = B + Σ g_j
+    seconds  = target(B + m·k rows) + drafter(extension, k forwards over E·k rows)
+Speculation is all or nothing across the batch: every request that has a source drafts, except one whose
+best source is expected to gain under `MIN_GAIN` tokens. Choosing the subset that maximises the step's
+tokens per second (tried first) lost 10% at 16 requests: requests that start and stop together finish
+when the slowest does, so speeding up some of them shortens nothing while every step pays their rows.
 
-Lossless by construction: whatever k is chosen, the target verifies (k = 0: it simply samples), so the output
-is plain decoding's: greedy token for token, seeded sampling identical (tests/test_adaptive.py forces
-random decisions through `AdaptiveProposer.choose`).
+The costs are lines fitted by recursive least squares (`LinearCost`): the target's decode step as base +
+per chain row + per tree row (bitmask attention costs more), the drafter's as base + per
+extended row + per sequential head forward + per drafted row. One model for every arm, so a length the
+policy has rarely chosen is still priced from what every other step taught it.
+
+The head's own upkeep: it extends its one layer over every committed row, so that drafting can resume at
+any step; that is ~4% of a target step, paid by plain steps too. When a full-batch chain of 1 has been
+predicted below plain for `switch_after` (8) decisions in a row, the head is switched off: no extension, prompt lookup and plain decoding only. Requests that miss positions then cannot draft
+from the head until a recompute rebuilds their draft cache (`PerRequest.head_gap`); requests admitted
+after the head is back on can. It comes back on after `switch_after` decisions predicted at `MARGIN` +
+0.05 or more, or for a trial every `reprobe` (256) decisions off (its estimates do not move while off).
+
+Speculation must be predicted `MARGIN` (1.05×) faster than plain decoding to be chosen. Below that the
+gain is within the models' error, and a batch that speculates finishes raggedly: requests accept at
+different rates, so the batch thins out before its slowest request is done, and those thin steps cost
+nearly as much as full ones. Measured at 16 requests that start together: the chain of 1 was predicted
+(and per step delivered) ~5% above plain and finished 10% below it.
+
+The lines are right on average, not at every load: a step's cost is not linear in its rows on a CPU, and
+the head's acceptance depends on the prompts of the moment. So every plan's prediction is corrected by
+what that arm actually delivered at that batch size: an average of realized / predicted tokens per second
+(`Correction`, per arm and main source and power-of-two batch bucket, over the steps without prefill
+rows). Near a
+break-even, where a small bias in either model picks the wrong side, the realized rate decides.
+
+Exploration: the first steps try each arm once, then one step in `explore_every` (32) runs a random
+runner-up predicted within 30% of the best (or a neighbouring chain length), so estimates stay alive
+without paying for hopeless arms. The decision is random; the output never is.
+
+Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's:
+greedy token for token, seeded sampling identical (tests/test_adaptive.py forces random plans through
+`AdaptivePolicy.choose`, trees and NGRAM included, with chunked prefill and preemption).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import Counter
+from dataclasses import dataclass
 
-import torch
+from tsengine.spec.drafts import Proposal
+from tsengine.spec.estimates import Acceptance, LinearCost, MeanTokens, PerRequest
 
-from tsengine.spec.drafts import Drafts, Proposal
-
-
-class LinearCost:
-    """y ≈ θ·x by recursive least squares with forgetting factor `forget` (older steps weigh less)."""
-
-    def __init__(self, features: int, forget: float = 0.98, prior: float = 1e3):
-        self.theta = torch.zeros(features, dtype=torch.float64)
-        self.p = torch.eye(features, dtype=torch.float64) * prior
-        self.forget, self.samples = forget, 0
-
-    def update(self, x: list[float], y: float) -> None:
-        x = torch.tensor(x, dtype=torch.float64)
-        px = self.p @ x
-        gain = px / (self.forget + x @ px)
-        self.theta += gain * (y - x @ self.theta)
-        self.p = (self.p - torch.outer(gain, px)) / self.forget
-        self.samples += 1
-
-    def predict(self, x: list[float]) -> float:
-        return max(float(torch.tensor(x, dtype=torch.float64) @ self.theta), 0.0)
+SMALL_TREE = (3, 2, 6)
+MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
+MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
 
 
-class Acceptance:
-    """a_i: P(the first i drafts are accepted | i were drafted), with a weak prior of 1/2."""
+@dataclass(frozen=True)
+class Arm:
+    """One way to run a step: a chain of `steps` drafts (0: plain), or a tree (topk > 1) of `nodes`."""
 
-    def __init__(self, steps: int, prior: float = 2.0):
-        self.hit, self.tried = [prior / 2] * steps, [prior] * steps
+    steps: int = 0
+    topk: int = 1
+    nodes: int = 0
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        for i in range(drafted):
-            self.tried[i] += 1
-            self.hit[i] += i < accepted
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
 
-    def rates(self) -> list[float]:
-        return [h / t for h, t in zip(self.hit, self.tried)]
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.steps, self.topk, self.nodes
 
-    def tokens(self, k: int) -> float:
-        """Expected tokens a window of k drafts commits (the bonus token included)."""
-        return 1.0 + sum(self.rates()[:k])
+    @property
+    def name(self) -> str:
+        return (f"tree {self.steps}x{self.topk}x{self.nodes}" if self.is_tree
+                else f"chain {self.steps}" if self.steps else "plain")
+
+
+@dataclass
+class Plan:
+    """The decision for one step: the arm, and per drafting request its source (eagle3, ngram or plain)."""
+
+    arm: Arm
+    sources: list[str]
+    tokens_per_s: float = 0.0  # predicted, corrected by what the arm delivered (`Correction`)
+    raw_tokens_per_s: float = 0.0  # predicted by the lines alone
+
+    @property
+    def eagle(self) -> list[bool]:
+        return [s == "eagle3" for s in self.sources]
+
+    @property
+    def kind(self) -> str:
+        """The arm, and for a chain its main source: prompt lookup and the head deliver differently."""
+        lookup = self.sources.count("ngram") > self.sources.count("eagle3")
+        return self.arm.name + (" ngram" if lookup and not self.arm.is_tree else "")
+
+
+class Correction:
+    """Per (plan kind, batch bucket): a running mean of realized / predicted tokens per second, from 1."""
+
+    def __init__(self, weight: float = 0.15):
+        self.weight, self.ratio = weight, {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ... (the bucket's top)
+
+    def observe(self, kind: str, batch: int, realized: float, predicted: float) -> None:
+        k = kind, self.bucket(batch)
+        r = min(max(realized / predicted, 0.25), 4.0)  # one freak step (a page fault, a GC) moves it little
+        self.ratio[k] = self.ratio.get(k, 1.0) + self.weight * (r - self.ratio.get(k, 1.0))
+
+    def __call__(self, kind: str, batch: int) -> float:
+        """The ratio at this batch bucket, else at the nearest bucket this kind has one for (a load it has
+        not run at yet is likelier to behave as the nearest load it has), else 1."""
+        bucket = self.bucket(batch)
+        known = [b for (n, b) in self.ratio if n == kind]
+        if not known:
+            return 1.0
+        nearest = min(known, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self.ratio[kind, nearest]
+
+
+class AdaptivePolicy:
+    def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
+                 explore_every: int = 32, switch_after: int = 8, seed: int = 0):
+        self.steps, self.ngram, self.explore_every, self.switch_after = steps, ngram, explore_every, switch_after
+        self.head_on, self._streak, self._off_for, self.reprobe = True, 0, 0, 256
+        trees = [tree] if tree else []
+        if tree and tree[1] > SMALL_TREE[1] and tree[0] >= SMALL_TREE[0]:
+            trees.append(SMALL_TREE)
+        self.arms = [Arm(k) for k in range(steps + 1)] + [Arm(*t) for t in trees]
+        self.eagle = Acceptance(steps)
+        self.lookup = Acceptance(steps, prior_rate=0.3)  # prompt lookup, over requests that had a match
+        self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
+        self.target_cost = LinearCost(("base", "per_chain_row", "per_tree_row"))
+        self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
+        self.decisions, self.last = 0, Plan(Arm(), [])
+        self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
+        self.correction = Correction()
+        self.last_draft_seconds = 0.0
+        self.chosen: Counter[str] = Counter()  # steps per arm name
+        self.drafted_by: Counter[str] = Counter()  # requests per source
+        self._rng = random.Random(seed)
+
+    # ---- learning ---------------------------------------------------------------------------------------
+    def learn(self, proposal: Proposal) -> None:
+        """Fold in what the step that just ran showed: its target time and every window's acceptance."""
+        tree_rows = 0
+        for c in proposal.runs:
+            if c.verified is None or c.seq.drafts is None:
+                continue
+            drafted, accepted = c.verified
+            d = c.seq.drafts
+            if d.tree is not None:
+                tree_rows += drafted + 1
+                if self.last.arm.is_tree:
+                    self.tree_tokens[self.last.arm].observe(accepted)
+                continue
+            (self.lookup if d.source == "ngram" else self.eagle).observe(drafted, accepted)
+            stats(c.seq, self.steps).observe(d.source, drafted, accepted)
+        if proposal.target_seconds > 0 and proposal.prefill_rows == 0:  # decode steps only: the choice never
+            # changes a step's prefill work, and long prefill rows would pull the decode line off its range
+            self.target_cost.update([1.0, proposal.decode_rows - tree_rows, tree_rows], proposal.target_seconds)
+            last = self.last
+            if last.raw_tokens_per_s > 0 and proposal.tokens:
+                realized = proposal.tokens / (proposal.target_seconds + self.last_draft_seconds)
+                self.correction.observe(last.kind, len(last.sources), realized, last.raw_tokens_per_s)
+
+    def learn_draft(self, extended: int, plan: Plan, seconds: float) -> None:
+        self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], seconds)
+        self.last, self.last_draft_seconds = plan, seconds
+
+    # ---- deciding ---------------------------------------------------------------------------------------
+    def _draft_work(self, arm: Arm, heads: int) -> tuple[int, int]:
+        """(sequential head forwards, rows drafted) for `heads` requests drafting from the head."""
+        if heads == 0 or arm.steps == 0:
+            return 0, 0
+        if arm.is_tree:
+            return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
+        return arm.steps, heads * arm.steps
+
+    def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int) -> float:
+        seconds = (self.target_cost.predict([1.0, chain_rows, tree_rows])
+                   + self.draft_cost.predict([1.0, tokens, *self._draft_work(arm, heads)]))
+        return tokens / max(seconds, 1e-9)
+
+    def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
+              found: list[list[int] | None] | None = None) -> float:
+        """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism)."""
+        tokens, chain_rows, tree_rows = 0.0, 0, 0
+        for j, (source, st) in enumerate(zip(sources, stats)):
+            st = st or self._untried
+            if source == "plain":
+                tokens, chain_rows = tokens + 1, chain_rows + 1
+            elif arm.is_tree:
+                tokens, tree_rows = tokens + self.tree_tokens[arm].mean, tree_rows + arm.nodes
+            else:
+                k = min(arm.steps, len(found[j])) if source == "ngram" and found and found[j] else arm.steps
+                tokens += st.tokens(source, k, self.eagle if source == "eagle3" else self.lookup)
+                chain_rows += arm.steps + 1
+        return self.predict(arm, tokens, chain_rows, tree_rows, sources.count("eagle3"))
+
+    def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan | None:
+        """Chain length k for every request that has a source worth drafting from (its best by expected
+        tokens: the head, or prompt lookup where its tokens offer a continuation); None if none has."""
+        sources, tokens, heads = [], float(len(stats)), 0
+        for st, f in zip(stats, found):
+            st = st or self._untried
+            options = []
+            if self.head_on and not st.head_gap:
+                options.append((st.tokens("eagle3", k, self.eagle), "eagle3"))
+            if f is not None:  # drafts past the continuation repeat its last token: count none of them
+                options.append((st.tokens("ngram", min(k, len(f)), self.lookup, bonus=0.1), "ngram"))
+            gain, source = max(options) if options else (1.0, "plain")
+            if gain - 1.0 < MIN_GAIN:
+                source = "plain"
+            sources.append(source)
+            if source != "plain":
+                tokens, heads = tokens + gain - 1.0, heads + (source == "eagle3")
+        drafting = len(sources) - sources.count("plain")
+        if not drafting:
+            return None
+        plan = Plan(Arm(k), sources)
+        plan.tokens_per_s = self.predict(Arm(k), tokens, len(stats) + drafting * k, 0, heads) * self.correction(
+            plan.kind, len(stats))
+        return plan
+
+    def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> list[Plan]:
+        """Plain decoding first, then the best plan of each chain length and each tree (tokens per second
+        predicted with optimism for barely tried sources, and corrected by each arm's record)."""
+        batch = len(stats)
+        plans = [Plan(Arm(0), ["plain"] * batch, self.predict(Arm(0), batch, batch, 0, 0) * self.correction("plain", batch))]
+        plans += filter(None, (self._chain_plan(a.steps, stats, found) for a in self.arms if a.steps and not a.is_tree))
+        heads = ["eagle3" if self.head_on and not (st and st.head_gap) else "plain" for st in stats]
+        if "eagle3" in heads:
+            plans += [Plan(a, heads, self.price(a, heads, stats) * self.correction(a.name, batch)) for a in self.tree_tokens]
+        return plans
+
+    def _switch_head(self, batch: int, plain_tps: float) -> None:
+        """Hysteresis on whether the head's upkeep can pay at this load (see the module docstring)."""
+        chain = self.predict(Arm(1), batch * self.eagle.tokens(1), 2 * batch, 0, batch) * self.correction("chain 1", batch)
+        ratio = chain / plain_tps
+        pays = ratio >= MARGIN + 0.05 if not self.head_on else ratio >= 1.0
+        self._streak = 0 if pays == self.head_on else self._streak + 1
+        self._off_for = 0 if self.head_on else self._off_for + 1
+        # off, the head's estimates stop moving, so it could stay off for good: every `reprobe` decisions
+        # it is tried again (new requests get its upkeep; it goes off again if it still does not pay)
+        if self._streak >= self.switch_after or self._off_for >= self.reprobe:
+            self.head_on, self._streak, self._off_for = not self.head_on, 0, 0
+
+    def choose(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
+        """The plan for the next step of these drafting requests (their stats, their n-gram continuation
+        or None). A test hook may replace it: any plan is lossless."""
+        plan = self._decide(stats, found)
+        plan.raw_tokens_per_s = self.price(plan.arm, plan.sources, stats, found)
+        return plan
+
+    def _decide(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
+        self.decisions += 1
+        batch = len(stats)
+        if self.decisions <= len(self.arms):  # warm-up: every arm once, so every cost term is seen
+            arm = self.arms[self.decisions - 1]
+            return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch)
+        plans = self.candidates(stats, found if self.ngram else [None] * batch)
+        self._switch_head(batch, plans[0].tokens_per_s)
+        best = max(plans, key=lambda p: p.tokens_per_s)
+        if best.tokens_per_s < MARGIN * plans[0].tokens_per_s:
+            best = plans[0]
+        if self.decisions % self.explore_every:
+            return best
+        near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]
+        if near:
+            return self._rng.choice(near)
+        if not self.head_on:
+            return best
+        k = best.arm.steps if not best.arm.is_tree else self.steps
+        k = self._rng.choice([x for x in (k - 1, k + 1) if 0 <= x <= self.steps])
+        return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats])
+
+    def describe(self) -> str:
+        """The periodic log line's part: estimates and what was chosen."""
+        rates = " ".join(f"{r:.2f}" for r in self.eagle.rates())
+        look = " ".join(f"{r:.2f}" for r in self.lookup.rates())
+        top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
+        return (f"policy: chose {top}; head {'on' if self.head_on else 'off'}; eagle3 acceptance {rates}; "
+                f"ngram {look}")
 
 
 class AdaptiveProposer:
-    """Wraps the EAGLE-3 chain proposer; `propose` drafts each step at the length `choose` picks."""
+    """Runs the plan `AdaptivePolicy.choose` makes: the EAGLE-3 proposer drafts for the requests assigned to
+    it (a chain or a tree), prompt lookup for the others; the head extends over every committed row."""
 
-    def __init__(self, inner, max_steps: int, explore_every: int = 32, seed: int = 0):
-        self.inner, self.max_steps, self.explore_every = inner, max_steps, explore_every
-        self.acceptance = Acceptance(max_steps)
-        self.target_cost = LinearCost(3)  # [1, decode rows, prefill rows] -> seconds of the step's target part
-        self.draft_cost = LinearCost(4)  # [1, B, k, k·B] -> seconds of the drafter
-        self.decisions, self.draft_len = 0, max_steps
-        self.chosen = [0] * (max_steps + 1)  # how often each k was chosen
-        self._rng = random.Random(seed)
+    def __init__(self, eagle, ngram, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
+                 seed: int = 0):
+        self.inner, self.ngram = eagle, ngram
+        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed)
+        self.draft_len = steps
 
-    def throughput(self, k: int, batch: int) -> float:
-        """Predicted tokens per second of a step where `batch` requests verify k drafts each."""
-        seconds = self.target_cost.predict([1.0, batch * (k + 1), 0.0]) + self.draft_cost.predict(
-            [1.0, batch, k, k * batch])
-        return batch * self.acceptance.tokens(k) / max(seconds, 1e-9)
-
-    def choose(self, batch: int) -> int:
-        """The draft length for the next step of `batch` drafting requests (a test hook may replace it)."""
-        self.decisions += 1
-        n = self.max_steps + 1
-        if self.decisions <= n:  # warm-up: every k once, so both cost models see every shape
-            return self.decisions % n
-        best = max(range(n), key=lambda k: self.throughput(k, batch))
-        if self.decisions % self.explore_every == 0:  # a neighbour: cheap to try, and it keeps a_k alive
-            return self._rng.choice([k for k in (best - 1, best + 1) if 0 <= k < n])
-        return best
-
-    def propose(self, proposal: Proposal) -> list[Drafts | None]:
-        if proposal.target_seconds > 0:
-            self.target_cost.update([1.0, proposal.decode_rows, proposal.prefill_rows], proposal.target_seconds)
+    def propose(self, proposal: Proposal):
+        policy = self.policy
+        policy.learn(proposal)
+        head = policy.head_on
         for c in proposal.runs:
-            if c.verified is not None:
-                self.acceptance.observe(*c.verified)
+            if not head or c.start == 0:  # off, the head misses these rows; from position 0 it rebuilds them all
+                stats(c.seq, self.policy.steps).head_gap = not head
         need = proposal.drafting
-        k = self.choose(len(need)) if need else 0
         t0 = time.perf_counter()
-        drafts = self.inner.propose(proposal, steps=k)
+        found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
+        plan = policy.choose([seq.spec_stats for seq in need], found) if need else Plan(Arm(0), [])
+        arm, eagle, drafts = plan.arm, plan.eagle, []
+        if head and arm.is_tree:
+            drafts = self.inner.propose(proposal, tree=arm.shape, only=eagle)
+        elif head:
+            drafts = self.inner.propose(proposal, steps=arm.steps if any(eagle) else 0, only=eagle)
+        drafts = drafts or [None] * len(need)
+        for j, source in enumerate(plan.sources):
+            if source == "ngram" and found[j] is not None:
+                drafts[j] = self.ngram.drafts(found[j], arm.steps)
         if need:
-            if drafts and drafts[0] is not None:
-                drafts[0].tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
-            self.draft_cost.update([1.0, len(need), k, k * len(need)], time.perf_counter() - t0)
-            self.draft_len = k
-            self.chosen[k] += 1
-        return drafts if k > 0 else [None] * len(need)
+            first = next((d for d in drafts if d is not None), None)
+            if first is not None:
+                first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
+            extended = sum(len(c.rows) for c in proposal.runs) if head else 0
+            policy.learn_draft(extended, plan, time.perf_counter() - t0)
+            self.draft_len = arm.steps
+            policy.chosen[arm.name] += 1
+            policy.drafted_by.update(plan.sources)
+        return drafts
+
+
+def stats(seq, steps: int) -> PerRequest:
+    """The request's adaptive record, made on first use."""
+    if seq.spec_stats is None:
+        seq.spec_stats = PerRequest(steps)
+    return seq.spec_stats

@@ -32,6 +32,7 @@ class Drafts:
     tree: Tree | None = None  # [N] parents / depths / ancestor bits of this request's tree; None: a chain
     q: torch.Tensor | None = None  # [N-1, Vq] the draft's distribution at each node (the rejection rule only)
     q_ids: torch.Tensor | None = None  # [Vq] the target id of each column of q (the draft vocab)
+    source: str = "eagle3"  # who drafted them: eagle3 or ngram (adaptive speculation learns per source)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Proposal:
     decode_rows: int = 0
     prefill_rows: int = 0
     target_seconds: float = 0.0
+    tokens: int = 0  # tokens the step committed, finished requests' included (what speculation buys)
 
     @property
     def drafting(self) -> list["Sequence"]:

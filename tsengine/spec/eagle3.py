@@ -42,22 +42,29 @@ class Eagle3Proposer:
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
 
-    def propose(self, proposal: Proposal, steps: int | None = None) -> list[Drafts | None]:
+    def propose(self, proposal: Proposal, steps: int | None = None, tree: tuple[int, int, int] | None = None,
+                only: list[bool] | None = None) -> list[Drafts | None]:
         """Extend the draft cache over each run's committed positions with the target features of the rows
         that produced them (a verify window's accepted path, or a prefill chunk's tokens), then draft for
-        the runs that reached their last token: `steps` tokens (default: the configured S; 0: extend only,
-        as adaptive speculation does for a plain step)."""
-        steps = self.steps if steps is None else steps
-        runs, rows, ids, last, need = [], [], [], [], proposal.drafting
+        the runs that reached their last token. The configured shape unless told (adaptive speculation
+        chooses per step): a chain of `steps` tokens (0: extend only), or a `tree` (S, K, N); `only`, one
+        flag per `proposal.drafting` request, drafts for the flagged ones (the rest get None)."""
+        if steps is None and tree is None:
+            steps, tree = (self.steps, None) if self.topk == 1 else (None, (self.steps, self.topk, self.num_nodes))
+        runs, rows, ids, last, need = [], [], [], [], []
+        flags = iter(only) if only is not None else None
         for c in proposal.runs:
             seq, n = c.seq, len(c.rows)
             runs.append((seq.table, c.start, n))
             rows.extend(c.rows)
             ids.extend(seq.tokens[c.start + 1:c.start + n + 1])
-            if c.drafts_next:
+            if c.drafts_next and (flags is None or next(flags)):
                 last.append(len(rows) - 1)
+                need.append(seq)
         if not runs:
             return []
+        if not (steps or tree):
+            last, need = [], []
         dev = proposal.aux.device
         long = dict(dtype=torch.long, device=dev)
         ctx = Context.build(runs, self.block_size, dev)
@@ -65,16 +72,21 @@ class Eagle3Proposer:
         tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
         rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
         out = self._extend_and_draft(torch.tensor(ids, **long), proposal.aux[torch.tensor(rows, **long)], ctx,
-                                     torch.tensor(last if steps else [], **long), tables, rp, steps)
+                                     torch.tensor(last, **long), tables, rp, steps, tree)
         if out is None:
             return []
         if isinstance(out, Tree):
-            return [Drafts(out.tokens[j, 1:], Tree(None, out.parents[j], out.depths[j], out.ancestors[j]))
-                    for j in range(len(need))]
-        tokens, q = out
-        # q is cloned: a view would keep the whole batch's [D, S, vocab] alive past this request's verify
-        return [Drafts(tokens[j], None, q[j].clone() if q is not None else None,
-                       self.draft_ids_in_target if q is not None else None) for j in range(len(need))]
+            drafts = [Drafts(out.tokens[j, 1:], Tree(None, out.parents[j], out.depths[j], out.ancestors[j]))
+                      for j in range(len(need))]
+        else:
+            tokens, q = out
+            # q is cloned: a view would keep the whole batch's [D, S, vocab] alive past this request's verify
+            drafts = [Drafts(tokens[j], None, q[j].clone() if q is not None else None,
+                             self.draft_ids_in_target if q is not None else None) for j in range(len(need))]
+        if only is None:
+            return drafts
+        it = iter(drafts)
+        return [next(it) if flag else None for flag in only]
 
     def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
         """One pass of the head's layer over flat tokens: [T] ids, [T, H] hidden -> [T, H] pre-norm out."""
@@ -117,15 +129,18 @@ class Eagle3Proposer:
         """Tree ranking scores over the draft vocab: log-softmax of `_ranking`."""
         return torch.log_softmax(self._ranking(self.head.logits(out).float(), rp, positions, repeat), dim=-1)
 
-    def _tree(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams) -> Tree:
-        """EAGLE-2 tree from the root rows `hidden` [D, H] at draft positions `pos` [D]: node at depth d is
-        fed at pos + d, into lane (d-1)·K + j at KV index pos + 1 + lane; its children are drawn at pos + 2 + d."""
-        (d, h), k, dev = hidden.shape, self.topk, hidden.device
-        tb = TreeBuilder(d, k, self.steps, self.num_nodes, dev)
+    def _tree(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams,
+              shape: tuple[int, int, int]) -> Tree:
+        """EAGLE-2 tree of `shape` (S, K, N) from the root rows `hidden` [D, H] at draft positions `pos` [D]:
+        node at depth d is fed at pos + d, into lane (d-1)·K + j at KV index pos + 1 + lane; its children are
+        drawn at pos + 2 + d."""
+        (d, h), dev = hidden.shape, hidden.device
+        steps, k, nodes = shape
+        tb = TreeBuilder(d, k, steps, nodes, dev)
         tb.root(self._scores(hidden, rp, pos + 2))
         parent_out = hidden[:, None].expand(d, k, h)
         lane = torch.arange(k, device=dev)
-        for s in range(1, self.steps):
+        for s in range(1, steps):
             ctx = Context.lanes(tables, (pos + s)[:, None].expand(d, k), (pos + 1)[:, None] + (s - 1) * k + lane,
                                 pos + 1, tb.frontier_lane_bits(), self.block_size)
             ids = self.draft_ids_in_target[tb.frontier_tokens()].flatten()
@@ -138,18 +153,18 @@ class Eagle3Proposer:
 
     @torch.no_grad()
     def _extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
-                         tables: torch.Tensor, rp: RowParams, steps: int):
-        """Extend the draft cache over ctx's runs, then draft `steps` tokens for the requests whose last
-        extended row is `last_rows` [D] (their block tables `tables` [D, M], sampling rows `rp`).
-        Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None), a `Tree` of target
-        ids (topk > 1), or None when no request drafts."""
+                         tables: torch.Tensor, rp: RowParams, steps: int | None, tree: tuple[int, int, int] | None):
+        """Extend the draft cache over ctx's runs, then draft `steps` tokens (or a `tree` of shape (S, K, N))
+        for the requests whose last extended row is `last_rows` [D] (their block tables `tables` [D, M],
+        sampling rows `rp`). Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None),
+        a `Tree` of target ids, or None when no request drafts."""
         out = self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx)
         if last_rows.numel() == 0:
             return None
         hidden = out[last_rows]
         pos = ctx.positions[last_rows]  # draft position of the chain's first input; it drafts token pos + 2
-        if self.topk > 1:
-            return self._tree(hidden, pos, tables, rp)
+        if tree is not None:
+            return self._tree(hidden, pos, tables, rp, tree)
         drafts, qs = [], []
         for s in range(steps):
             if s:
