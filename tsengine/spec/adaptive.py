@@ -24,13 +24,14 @@ policy has rarely chosen is still priced from what every other step taught it.
 
 The head's own upkeep: it extends its one layer over every committed row, so that drafting can resume at
 any step; that is ~4% of a target step, paid by plain steps too. When a full-batch chain of 1 has been
-predicted below 0.95× plain for `switch_after` (16) decisions in a row, the head is switched off: no
-extension, prompt lookup and plain decoding only. (A chain's real margin near plain, a few %, is inside
-the prediction's noise: a readier switch, below 1× for 8 decisions, turned the head off at 4 requests,
-where the chain of 1 is the best configuration.) Requests that miss positions then cannot draft from the
-head until a recompute rebuilds their draft cache (`PerRequest.head_gap`); requests admitted after the
-head is back on can. It comes back on after `switch_after` decisions predicted at `MARGIN` +
-0.05 or more, or for a trial every `reprobe` (256) decisions off (its estimates do not move while off).
+predicted below plain for `switch_after` (8) decisions in a row, the head is switched off: no extension,
+prompt lookup and plain decoding only. (A slower switch, below 0.95× for 16 decisions, kept the head on
+at 16 requests, where the chain of 1 then ran 86% of the steps and lost 8% to plain; this one turned it
+off at 4 requests, where that chain is best by 4%: docs/benchmarks.md.) Requests that miss positions
+then cannot draft from the head until a recompute rebuilds their draft cache (`PerRequest.head_gap`);
+requests admitted after the head is back on can. It comes back on after `switch_after` decisions
+predicted at `MARGIN` + 0.05 or more, or for a trial every `reprobe` (256) decisions off (its estimates do
+not move while off).
 
 Speculation must be predicted `MARGIN` (1.05×) faster than plain decoding to be chosen. Below that the
 gain is within the models' error, and a batch that speculates finishes raggedly: requests accept at
@@ -139,7 +140,7 @@ class Correction:
 
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
-                 explore_every: int = 32, switch_after: int = 16, seed: int = 0):
+                 explore_every: int = 32, switch_after: int = 8, seed: int = 0):
         self.steps, self.ngram, self.explore_every, self.switch_after = steps, ngram, explore_every, switch_after
         self.head_on, self._streak, self._off_for, self.reprobe = True, 0, 0, 256
         trees = [tree] if tree else []
@@ -257,7 +258,7 @@ class AdaptivePolicy:
         """Hysteresis on whether the head's upkeep can pay at this load (see the module docstring)."""
         chain = self.predict(Arm(1), batch * self.eagle.tokens(1), 2 * batch, 0, batch) * self.correction("chain 1", batch)
         ratio = chain / plain_tps
-        pays = ratio >= MARGIN + 0.05 if not self.head_on else ratio >= 0.95
+        pays = ratio >= MARGIN + 0.05 if not self.head_on else ratio >= 1.0
         self._streak = 0 if pays == self.head_on else self._streak + 1
         self._off_for = 0 if self.head_on else self._off_for + 1
         # off, the head's estimates stop moving, so it could stay off for good: every `reprobe` decisions
