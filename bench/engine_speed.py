@@ -5,6 +5,11 @@ spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decode
 
     python bench/engine_speed.py --draft DIR [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
                                  [--shapes 3,1,4;5,4,16;4,8,32] [--ngram] [--temperature 0.7] [--no-hf]
+                                 [--modes compiled,eager]
+
+`--modes`: every engine row once per mode, side by side: compiled step graphs (the default,
+tsengine/graphs.py) and eager (`--enforce-eager`). The warm-up decodes the longest prompt to the full
+length first, so every graph a timed row needs is compiled before the clock starts.
 
 `--shapes` lists EAGLE-3 shapes as steps,topk,num_draft_tokens (topk 1: chain; > 1: EAGLE-2 tree), one
 row each. At `--temperature` > 0 every request is seeded, so every row must still equal the plain row.
@@ -92,21 +97,26 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ngram", action="store_true", help="also an NGRAM (prompt lookup) row, --steps tokens")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--modes", default="compiled,eager",
+                    help="engine modes, one set of rows each: compiled (step graphs, the default) and/or eager")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     path = resolve(args.target)
-    plain = LLM(path, max_num_seqs=1)
-    prompts = val_prompts(plain.tokenizer, args.prompts)
-    rows = {"plain": plain}
-    if args.draft:
-        for shape in args.shapes.split(";"):
-            st, k, n = (int(x) for x in shape.split(","))
-            rows[f"eagle3 ({st},{k},{n})"] = LLM(path, max_num_seqs=1, speculative_config={
-                "method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
-                "num_draft_tokens": n})
-    if args.ngram:
-        rows[f"ngram ({args.steps})"] = LLM(path, max_num_seqs=1, speculative_config={
-            "method": "ngram", "num_speculative_tokens": args.steps})
+    rows = {}
+    for mode in args.modes.split(","):
+        eager, tag = mode == "eager", "" if mode == "compiled" else f" [{mode}]"
+        rows["plain" + tag] = LLM(path, max_num_seqs=1, enforce_eager=eager)
+        if args.draft:
+            for shape in args.shapes.split(";"):
+                st, k, n = (int(x) for x in shape.split(","))
+                rows[f"eagle3 ({st},{k},{n}){tag}"] = LLM(path, max_num_seqs=1, enforce_eager=eager, speculative_config={
+                    "method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
+                    "num_draft_tokens": n})
+        if args.ngram:
+            rows[f"ngram ({args.steps}){tag}"] = LLM(path, max_num_seqs=1, enforce_eager=eager, speculative_config={
+                "method": "ngram", "num_speculative_tokens": args.steps})
+    plain_name = next(iter(rows))
+    prompts = val_prompts(rows[plain_name].tokenizer, args.prompts)
     if args.random_head:
         from tsengine.eagle3.config import Eagle3Config
         from tsengine.eagle3.format import save_head
@@ -120,8 +130,9 @@ def main() -> None:
         head.set_vocab_map(*vocab_map(cfg.vocab_size, cfg.draft_vocab_size, None))
         rows["eagle3-random"] = LLM(path, max_num_seqs=1, speculative_config={
             "method": "eagle3", "model": str(save_head(head, tempfile.mkdtemp())), "num_speculative_tokens": args.steps})
-    for llm in rows.values():  # warm-up: first calls allocate and pick kernels
-        engine_row(llm, prompts[:1], 8)
+    longest = max(prompts, key=len)
+    for llm in rows.values():  # warm-up: first calls allocate, pick kernels and compile every context bucket
+        engine_row(llm, [longest], args.max_tokens)
     results: dict[str, list] = {k: [] for k in ["hf", *rows]}
     info = {}
     for r in range(args.repeats):
@@ -145,10 +156,10 @@ def main() -> None:
         if k in info:
             s = info[k][1]
             split = f"{s['forward']:.0%} / {s['commit']:.0%} / {s['draft']:.0%}"
-        print(f"| {k} | {v:.1f} | {vs_hf} | {v / med['plain']:.2f}x | {tau} | {split} |")
-    base = info["plain"][0]
+        print(f"| {k} | {v:.1f} | {vs_hf} | {v / med[plain_name]:.2f}x | {tau} | {split} |")
+    base = info[plain_name][0]
     for k in rows:
-        if k != "plain":
+        if k != plain_name:
             same = sum(a == b for a, b in zip(info[k][0], base))
             print(f"{k}: {same}/{len(base)} outputs equal the plain row token for token")
     if not args.no_hf and args.temperature == 0:

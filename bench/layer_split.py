@@ -4,7 +4,10 @@ Each piece of every layer is timed with perf_counter around the same calls `Laye
 is synchronous, so the wall time of a piece is its cost, dispatch included), summed over `--forwards`
 forwards of one token at position `--position`:
 
-    python bench/layer_split.py [--target smollm2-135m --forwards 100 --position 100] [--thread]
+    python bench/layer_split.py [--target smollm2-135m --forwards 100 --position 100] [--thread] [--compiled]
+
+`--compiled` profiles the compiled step graph instead (tsengine/graphs.py): the pieces are fused there, so
+it lists torch profiler's ops (the matmuls, inductor's fused C++ kernels) per forward, and the wall time.
 
 `--thread` runs the loop on a second thread while the main thread keeps the pool it loaded the model
 with (the OpenMP pool effect in docs/benchmarks.md).
@@ -33,9 +36,12 @@ def main() -> None:
     ap.add_argument("--forwards", type=int, default=100)
     ap.add_argument("--position", type=int, default=100)
     ap.add_argument("--thread", action="store_true")
+    ap.add_argument("--compiled", action="store_true")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
-    r = LLM(resolve(a.target), max_num_seqs=1).engine.runner
+    if a.compiled:
+        return compiled_profile(a)
+    r = LLM(resolve(a.target), max_num_seqs=1, enforce_eager=True).engine.runner
     m, bs = r.model, r.block_size
     table = list(range(-(-(a.position + 1) // bs)))
     acc: dict[str, float] = collections.defaultdict(float)
@@ -81,6 +87,44 @@ def main() -> None:
         per_layer = f"{v / layers * 1e6:.1f}" if name != "LM head" else "-"
         print(f"| {name} | {per_layer} | {v / a.forwards * 1e3:.2f} |")
     print(f"| total | | {sum(acc.values()) / a.forwards * 1e3:.2f} |")
+
+
+def compiled_profile(a) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from tsengine.context import Context
+    from tsengine.graphs import Shape
+    from tsengine.llm import LLM
+    from tsengine.targets import resolve
+
+    r = LLM(resolve(a.target), max_num_seqs=1, enforce_eager=False).engine.runner
+    table = list(range(-(-(a.position + 1) // r.block_size)))
+    ids = torch.tensor([1000])
+
+    def forward():
+        ctx = Context.build([(table, a.position, 1)], r.block_size, "cpu")
+        return r.compiled.forward(r.compiled.shape_for([_Run()], ctx, False), ids, ctx)
+
+    forward()  # compiles (or loads) the graph
+    t0 = time.perf_counter()
+    for _ in range(a.forwards):
+        forward()
+    wall = (time.perf_counter() - t0) / a.forwards
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(a.forwards):
+            forward()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
+    print("| op (compiled graph, self time) | calls per forward | ms per forward |\n| --- | --- | --- |")
+    for e in rows:
+        print(f"| {e.key[:60]} | {e.count / a.forwards:.0f} | {e.self_cpu_time_total / a.forwards / 1e3:.2f} |")
+    print(f"| wall time per forward (unprofiled) | | {wall * 1e3:.2f} |")
+
+
+class _Run:
+    """A one-token decode run, as `CompiledSteps.shape_for` reads it."""
+
+    num_tokens, verify = 1, False
+    seq = type("Seq", (), {"capture": None})()
 
 
 if __name__ == "__main__":

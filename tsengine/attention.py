@@ -32,15 +32,21 @@ def _dense_plan(ctx: Context, block_size: int, device, dtype):
         slots = (ctx.block_tables[:, j // block_size] * block_size + j % block_size).flatten()  # [B * ctx]
         local = torch.arange(ctx.num_tokens, device=device) - ctx.query_start[ctx.seq_index]
         if ctx.tree_anc is None:
-            qpos = torch.zeros(b, ctx.max_q, dtype=torch.long, device=device)
-            qpos[ctx.seq_index, local] = ctx.positions
+            if ctx.uniform:
+                qpos = ctx.positions.view(b, ctx.max_q)
+            else:
+                qpos = torch.zeros(b, ctx.max_q, dtype=torch.long, device=device)
+                qpos[ctx.seq_index, local] = ctx.positions
             mask = (j[None, None] <= qpos[:, :, None]) & (j[None, None] < ctx.context_lens[:, None, None])
         else:  # below the window: all; inside: the token's bits (itself and its ancestors)
             rel = j[None] - ctx.tree_start[:, None]
             seen = (rel < 0) | ((rel < 64) & (((ctx.tree_anc[:, None] >> rel.clamp(0, 63)) & 1) == 1))
             seen &= j[None] < ctx.context_lens[ctx.seq_index][:, None]
-            mask = (j == 0)[None, None].expand(b, ctx.max_q, ctx.max_ctx).clone()  # padding rows see index 0
-            mask[ctx.seq_index, local] = seen
+            if ctx.uniform:
+                mask = seen.view(b, ctx.max_q, ctx.max_ctx)
+            else:
+                mask = (j == 0)[None, None].expand(b, ctx.max_q, ctx.max_ctx).clone()  # padding rows see index 0
+                mask[ctx.seq_index, local] = seen
         # Additive float mask, built once (SDPA would convert a bool mask in every layer). One request
         # decoding one token sees its whole gathered context: no mask at all.
         if b == 1 and ctx.max_q == 1 and ctx.exact_ctx:
@@ -80,13 +86,17 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     decode = ctx.max_q == 1 and b == ctx.num_tokens  # one token per request: nothing to pad
     if decode:
         qp = q[:, None]
+    elif ctx.uniform:
+        qp = q.view(b, ctx.max_q, *q.shape[1:])
     else:
         qp = q.new_zeros(b, ctx.max_q, *q.shape[1:])
         qp[ctx.seq_index, local] = q
     o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, scale=scale, enable_gqa=gqa)
     o = o.transpose(1, 2)
-    return o[:, 0] if decode else o[ctx.seq_index, local]
+    if decode or ctx.uniform:
+        return o.reshape(q.shape)
+    return o[ctx.seq_index, local]
 
 
 def paged_attention(q, k_cache, v_cache, ctx: Context, scale: float, backend: str = "torch") -> torch.Tensor:

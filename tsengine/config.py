@@ -194,6 +194,8 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1)
     seed: int = 0
     debug_checks: bool = Field(False, description="run the block/scheduler invariants every step")
+    enforce_eager: bool = Field(False, description=(
+        "run every step eagerly: no compiled step graphs (tsengine/graphs.py; also TSENGINE_ENFORCE_EAGER=1)"))
     capture_layer_ids: tuple[int, ...] | None = Field(None, description=(
         "the target layers whose outputs capturing requests keep (training data at engine speed: "
         "tsengine/capture.py)"))

@@ -42,6 +42,7 @@ class Context:
     max_ctx: int  # longest context_lens
     exact_ctx: bool = True  # max_ctx is the true longest context (False: an upper bound, see one_each)
     dense_base: int | None = None  # one request whose blocks are consecutive: its KV is slots base.. (a view)
+    uniform: bool = False  # every request has max_q tokens, in request order ([B, max_q] rows; a compiled step)
     memo: dict = field(default_factory=dict)  # per-forward values every layer shares (the torch backend's plan)
     # Tree windows (None when the step has none). A token sees every KV index below its window's start and,
     # inside the window, the indices whose bit is set: itself and its ancestors. A plain token's window

@@ -63,7 +63,7 @@ class Engine:
         s = config.speculative
         self.spec_steps = s.num_steps if s else 0
         self.proposer = build_proposer(s, self.runner)
-        self.verifier = Verifier(s, self.runner.kv_buf, self.runner.block_size, self.runner.device)
+        self.verifier = Verifier(s, self.runner.kv, self.runner.block_size, self.runner.device)
         self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    s.num_draft_tokens if s else 1, reserve_slots(s))
         self.requests: dict[str, Sequence] = {}

@@ -20,6 +20,57 @@ def _packable(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+_PACKED_OPS = "custom"  # how a compiled graph calls the packed matmuls: "custom" ops or "fallback" (see below)
+
+
+# Inside a compiled step (tsengine/graphs.py) inductor cannot lower oneDNN's packed weights without freezing
+# the whole model (~30 s of compile at every start-up, no disk cache). Two ways around it, both opaque calls
+# that keep the cached graphs valid across restarts:
+# - "fallback" (`compiled_packed_ops`): inductor calls oneDNN's own C++ op as an extern kernel, ~45 µs per
+#   call with the matmul; this reaches into inductor's lowering table, so it is tried, not assumed;
+# - "custom": the Python custom ops below, ~40 µs more per call (6 ms of a SmolLM2 verify step, measured).
+@torch.library.custom_op("tsengine::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("tsengine::packed_linear_add", mutates_args=())
+def packed_linear_add(x: torch.Tensor, residual: torch.Tensor, packed: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+
+
+@packed_linear_add.register_fake
+def _(x, residual, packed, bias):
+    return torch.empty_like(residual)
+
+
+def compiled_packed_ops() -> str:
+    """Make oneDNN's packed linear ops extern kernels of inductor (once per process); "custom" if this
+    torch's inductor has no such table to change."""
+    global _PACKED_OPS
+    if _PACKED_OPS == "fallback" or not _packable(torch.empty(1)):
+        return _PACKED_OPS
+    try:
+        from torch._inductor import lowering
+
+        ops = (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary)
+        for op in ops:
+            lowering.lowerings.pop(op, None)
+            lowering.make_fallback(op)
+        torch.library.register_fake("mkldnn::_linear_pointwise.binary")(
+            lambda x, other, w, b, attr: torch.empty_like(other))
+        _PACKED_OPS = "fallback"
+    except Exception:  # another torch: the custom ops still work
+        pass
+    return _PACKED_OPS
+
+
 class Linear:
     """y = x W^T (+ b), with the weight packed once when that is faster."""
 
@@ -31,15 +82,30 @@ class Linear:
     def _fast(self, x: torch.Tensor) -> bool:
         return self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
 
+    def _compiled_packed(self, x: torch.Tensor) -> bool:
+        """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,
+        25 vs 33 ms per SmolLM2 step), more rows to the packed kernel. Shapes are static there."""
+        return x.shape[0] > 1
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if not torch.compiler.is_compiling():
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self._compiled_packed(x) and _PACKED_OPS == "fallback":
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            if self._compiled_packed(x):
+                return packed_linear(x, self.packed, self.bias, self.weight.shape[0])
         return F.linear(x, self.weight, self.bias)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
             # The residual add rides on the matmul (bitwise equal): one eager op less, ~10 µs on this CPU.
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            if not torch.compiler.is_compiling():
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            if self._compiled_packed(x) and _PACKED_OPS == "fallback":
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            if self._compiled_packed(x):
+                return packed_linear_add(x, residual, self.packed, self.bias)
         return torch.add(residual, F.linear(x, self.weight, self.bias))
 
 

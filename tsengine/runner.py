@@ -68,8 +68,13 @@ class ModelRunner:
         self.block_size = config.block_size
         plan = startup.plan_kv(config, self.model.cfg, self.head, self.vocab_size, self.max_model_len, self.dtype,
                                self.device, self.backend)
-        self.blocks, self.kv_buf, self.kv, self.draft_kv, self.q_bytes = (
-            plan.blocks, plan.kv_buf, plan.kv, plan.draft_kv, plan.reserved_bytes)
+        self.blocks, self.kv, self.draft_kv, self.q_bytes = plan.blocks, plan.kv, plan.draft_kv, plan.reserved_bytes
+        self.compiled = None
+        if startup.use_graphs(config, self.device, self.backend):
+            from tsengine.graphs import CompiledSteps
+
+            self.compiled = CompiledSteps(self.model, self.kv, self.block_size,
+                                          self.max_model_len + startup.reserve_slots(spec))
 
     def run(self, batch: list[Scheduled]) -> Forward:
         """One forward over the batch. Host bookkeeping only: no sync, the inputs go over without waiting."""
@@ -94,9 +99,15 @@ class ModelRunner:
             input_ids[windows.flat_rows[:, 1:]] = windows.tokens
             if windows.is_tree:  # position follows depth (RoPE and draws), slot follows node index
                 ctx.set_trees(windows.flat_rows, windows.starts, windows.depths, windows.ancestors)
-        hidden, aux = self.model(input_ids, ctx, self.kv)
         rows = torch.tensor(drawing, dtype=torch.long).to(dev, non_blocking=True)
-        forward = Forward(hidden, aux, self.model.logits(hidden[rows]), ctx.positions[rows] + 1, first_row, windows)
+        shape = self.compiled.shape_for(batch, ctx, windows is not None and windows.is_tree) if self.compiled else None
+        if shape is not None:  # a decode or verify step of one shape: its compiled graph (every row draws)
+            hidden, aux, logits = self.compiled.forward(shape, input_ids, ctx)
+            logits = logits[rows]
+        else:
+            hidden, aux = self.model(input_ids, ctx, self.kv)
+            logits = self.model.logits(hidden[rows])
+        forward = Forward(hidden, aux, logits, ctx.positions[rows] + 1, first_row, windows)
         if any(s.seq.capture is not None for s in batch):
             write_captures(self.model, batch, forward, drawing)
         return forward

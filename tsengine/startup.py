@@ -79,11 +79,18 @@ def aux_layers(config, hf) -> tuple[int, ...]:
     return aux_ids
 
 
+def use_graphs(config, device, backend: str) -> bool:
+    """Compiled step graphs (tsengine/graphs.py): on by default on the CPU with the torch attention backend.
+    Not on CUDA yet: the captured path is unmeasured there (no GPU has run it), so GPUs run eagerly."""
+    if config.enforce_eager or os.environ.get("TSENGINE_ENFORCE_EAGER", "0") == "1":
+        return False
+    return device.type == "cpu" and backend == "torch"
+
+
 @dataclass
 class KVPlan:
     blocks: kv_cache.BlockManager
-    kv_buf: torch.Tensor  # the target's cache, all layers
-    kv: list  # per layer (k, v) views of kv_buf
+    kv: list  # the target's cache: per layer (k, v)
     draft_kv: tuple | None  # the head's one layer (k, v), same blocks
     reserved_bytes: int  # held before the KV cache: rejection sampling's q, capture buffers
 
@@ -130,12 +137,12 @@ def plan_kv(config, cfg, head, vocab_size: int, max_model_len: int, dtype, devic
     if c.num_kv_blocks is not None:
         budget = c.num_kv_blocks * per
     n = kv_cache.plan_blocks(budget, per, c.block_size, held)
-    kv_buf, kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+    kv = kv_cache.allocate(n, c.block_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                    dtype, device)
     draft_kv = None
     if head is not None:
         h = head.config
-        draft_kv = kv_cache.allocate(n, c.block_size, 1, h.num_key_value_heads, h.head_dim, dtype, device)[1][0]
+        draft_kv = kv_cache.allocate(n, c.block_size, 1, h.num_key_value_heads, h.head_dim, dtype, device)[0]
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB incl. draft), backend %s, dtype %s, device %s",
              n, c.block_size, n * per / 2**20, backend, dtype, device)
-    return KVPlan(kv_cache.BlockManager(n, c.block_size), kv_buf, kv, draft_kv, reserved)
+    return KVPlan(kv_cache.BlockManager(n, c.block_size), kv, draft_kv, reserved)

@@ -18,6 +18,10 @@ def build_proposer(spec, runner) -> Proposer:
 
     eagle = Eagle3Proposer(runner.head, spec.num_steps, runner.draft_kv, runner.block_size, runner.backend,
                            spec.eagle_topk, spec.num_draft_tokens, spec.rule)
+    if runner.compiled is not None:
+        from tsengine.graphs import DraftGraphs
+
+        eagle.graphs = DraftGraphs(eagle, runner.compiled.contexts)
     if spec.adaptive:  # NGRAM's drafts carry no q: the rejection rule cannot verify them
         from tsengine.spec.adaptive import AdaptiveProposer
         from tsengine.spec.ngram import NgramProposer

@@ -41,6 +41,7 @@ class Eagle3Proposer:
         self.topk, self.num_nodes, self.rule = topk, num_nodes or num_steps + 1, rule
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
+        self.graphs = None  # tsengine.graphs.DraftGraphs: the greedy chain's later steps, compiled
 
     def propose(self, proposal: Proposal, steps: int | None = None, tree: tuple[int, int, int] | None = None,
                 only: list[bool] | None = None) -> list[Drafts | None]:
@@ -165,11 +166,15 @@ class Eagle3Proposer:
         pos = ctx.positions[last_rows]  # draft position of the chain's first input; it drafts token pos + 2
         if tree is not None:
             return self._tree(hidden, pos, tables, rp, tree)
-        drafts, qs = [], []
-        for s in range(steps):
-            if s:
-                pos = pos + 1
-                hidden = self._layer(drafts[-1], hidden, Context.one_each(tables, pos, self.block_size))
+        first, q = self._choose(hidden, rp, pos + 2)
+        if steps > 1 and q is None and rp.all_greedy and self.graphs is not None:
+            chain = self.graphs.chain(steps - 1, first, hidden, pos, tables)
+            if chain is not None:
+                return chain, None
+        drafts, qs = [first], [q]
+        for _ in range(1, steps):
+            pos = pos + 1
+            hidden = self._layer(drafts[-1], hidden, Context.one_each(tables, pos, self.block_size))
             d, q = self._choose(hidden, rp, pos + 2)
             drafts.append(d)
             qs.append(q)

@@ -127,11 +127,11 @@ def accepted_nodes(draws: torch.Tensor, drafted: torch.Tensor, parents: torch.Te
 
 
 class Verifier:
-    def __init__(self, spec, kv_buf: torch.Tensor, block_size: int, device):
+    def __init__(self, spec, kv: list, block_size: int, device):
         self.rule = spec.rule if spec is not None else "gumbel"
         self.max_depth = spec.num_steps if spec is not None else 0
         self.topk = spec.eagle_topk if spec is not None else 1
-        self.kv_buf, self.block_size, self.device = kv_buf, block_size, device
+        self.kv, self.block_size, self.device = kv, block_size, device
 
     def verify(self, batch, forward) -> list[Verdict | None]:
         """One `Verdict` per scheduled run (None for a run that draws nothing: a prefill chunk short of the
@@ -190,7 +190,7 @@ class Verifier:
                     src.append(kv_cache.slot(table, start + node, bs))
                     dst.append(kv_cache.slot(table, start + depth, bs))
         long = dict(dtype=torch.long, device=self.device)
-        kv_cache.move_slots(self.kv_buf, torch.tensor(src, **long), torch.tensor(dst, **long))
+        kv_cache.move_slots(self.kv, torch.tensor(src, **long), torch.tensor(dst, **long))
 
     def _tree_noise(self, rp: RowParams, pos: torch.Tensor, w, plain: list[int], vocab: int) -> torch.Tensor:
         """Gumbel noise of every drawing row, hashed once per (seed, position): the nodes of a window at equal

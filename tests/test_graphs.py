@@ -1,0 +1,129 @@
+"""Compiled step graphs (tsengine/graphs.py) against the eager engine: the same tokens for every method, and
+padding that never touches a real row. The rest of the suite runs eagerly (tests/conftest.py); `make
+test-compiled` runs the engine's losslessness tests compiled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.helpers import PROMPTS
+from tsengine.context import Context
+from tsengine.graphs import Shape
+from tsengine.kv_cache import scratch_slot
+from tsengine.llm import LLM
+from tsengine.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _compiled(monkeypatch):
+    monkeypatch.setenv("TSENGINE_ENFORCE_EAGER", "0")
+
+
+def _llm(tiny_dirs, eager: bool, spec=None, **kw):
+    kw = {"debug_checks": True, "block_size": 4, "max_num_batched_tokens": 16, **kw}
+    return LLM(str(tiny_dirs["llama"]), speculative_config=spec, enforce_eager=eager, **kw)
+
+
+def _tokens(llm, params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("method", ["plain", "chain", "tree", "ngram"])
+def test_compiled_steps_equal_eager_steps(tiny_dirs, heads, method):
+    """Greedy and seeded sampling, a mixed batch with chunked prefill: compiled == eager token for token, and
+    the compiled engine really ran its decode/verify steps through graphs."""
+    spec = {"chain": {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3},
+            "tree": {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3,
+                     "eagle_topk": 2, "num_draft_tokens": 6},
+            "ngram": {"method": "ngram", "num_speculative_tokens": 3}}.get(method)
+    params = [GREEDY, SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=7)] * 2
+    eager, compiled = _llm(tiny_dirs, True, spec), _llm(tiny_dirs, False, spec)
+    assert eager.engine.runner.compiled is None and compiled.engine.runner.compiled is not None
+    assert _tokens(compiled, params) == _tokens(eager, params)
+    assert compiled.engine.runner.compiled.steps > 0
+    if spec is not None:
+        assert compiled.engine.stats.num_drafts > 0
+
+
+def test_padding_rows_never_change_a_real_row(tiny_dirs):
+    """Three decoding requests padded to a batch of 4 and a context of 256: the real rows' logits equal the
+    eager forward's, their KV writes too, and no other slot changes but the scratch block's."""
+    llm = _llm(tiny_dirs, False)
+    r = llm.engine.runner
+    for k, v in r.kv:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in r.kv]
+    runs = [([3, 4, 5], 9, 1), ([7], 2, 1), ([10, 11], 5, 1)]
+    ids = torch.tensor([11, 22, 33])
+
+    eager_kv = [(k.clone(), v.clone()) for k, v in before]
+    ctx = Context.build(runs, r.block_size, "cpu")
+    hidden, _ = r.model(ids, ctx, eager_kv)
+    want = r.model.logits(hidden)
+
+    shape = Shape(4, 1, 256, False)
+    _, _, got = r.compiled.forward(shape, ids, Context.build(runs, r.block_size, "cpu"))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    scratch = scratch_slot(r.kv)
+    written = ctx.slot_mapping.tolist()
+    for (k, v), (ek, ev), (k0, _) in zip(r.kv, eager_kv, before):
+        flat, eflat, flat0 = k.flatten(0, 1), ek.flatten(0, 1), k0.flatten(0, 1)
+        torch.testing.assert_close(flat[written], eflat[written], atol=1e-5, rtol=1e-5)
+        others = [s for s in range(scratch) if s not in written]
+        assert torch.equal(flat[others], flat0[others]), "a padding row wrote outside the scratch block"
+        assert not torch.equal(flat[scratch:], flat0[scratch:]), "the padding rows should write to scratch"
+
+
+def test_which_steps_take_a_graph(tiny_dirs):
+    """Decode and uniform verify steps do; prefill chunks, mixed windows and oversized batches do not."""
+    from types import SimpleNamespace as NS
+
+    r = _llm(tiny_dirs, False, max_num_seqs=80).engine.runner
+    g = r.compiled
+
+    def step(*windows, verify=True):
+        batch = [NS(num_tokens=n, verify=verify and n > 1, seq=NS(capture=None)) for n in windows]
+        return g.shape_for(batch, NS(max_ctx=300), tree=False)
+
+    assert step(1, 1, 1) == Shape(4, 1, 512, False)
+    assert step(4, 4) == Shape(2, 4, 512, False)
+    assert step(4, 1) is None  # a request decoding beside verify windows
+    assert step(5, verify=False) is None  # a prefill chunk
+    assert step(*[1] * 65) is None  # above the largest batch bucket
+    assert g.contexts[0] == 256 and g.contexts[-1] >= r.max_model_len
+
+
+def test_random_workload_compiled_with_preemption(tiny_dirs, heads):
+    """Arrivals, aborts and preemption under a small KV budget, compiled: every finished request's tokens
+    equal the eager engine's for it alone, and no block leaks."""
+    sp = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=i)
+          for i, (t, m) in enumerate([(0, 30), (0.9, 25), (0, 12), (1.0, 30)])]
+    alone = [_llm(tiny_dirs, True, max_model_len=64).generate([p], [s])[0].outputs[0].token_ids
+             for p, s in zip(PROMPTS, sp)]
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    e = _llm(tiny_dirs, False, spec, num_kv_blocks=24, max_num_seqs=4, max_model_len=64).engine
+    rng, pending, got, aborted = random.Random(1), list(range(4)), {i: [] for i in range(4)}, set()
+    preempted = False
+    while pending or e.has_unfinished():
+        if pending and rng.random() < 0.5:
+            i = pending.pop(0)
+            e.add_request(str(i), PROMPTS[i], sp[i])
+        if rng.random() < 0.02 and e.requests:
+            victim = rng.choice(sorted(e.requests))
+            e.abort(victim)
+            aborted.add(int(victim))
+        for o in e.step():
+            got[int(o.request_id)] += o.new_tokens
+        preempted |= any(s.num_preempted for s in e.scheduler.running + list(e.scheduler.waiting))
+    assert preempted, "the workload never ran out of blocks"
+    assert e.runner.blocks.num_free == e.runner.blocks.num_blocks
+    assert e.runner.compiled.steps > 0
+    for i in range(4):
+        if i not in aborted:
+            assert got[i] == alone[i], f"request {i}"
