@@ -127,3 +127,25 @@ def test_random_workload_compiled_with_preemption(tiny_dirs, heads):
     for i in range(4):
         if i not in aborted:
             assert got[i] == alone[i], f"request {i}"
+
+
+def test_a_step_that_compiles_reports_no_time(tiny_dirs):
+    """The adaptive policy fits costs to step times: the step whose graph compiled (seconds, not
+    milliseconds) reports none, and the steps after it do."""
+    from tsengine import graphs
+
+    llm = _llm(tiny_dirs, False, max_num_seqs=3)  # a batch bucket of its own: its graph is new in this process
+    e, seen = llm.engine, []
+    propose = e.proposer.propose
+
+    def spy(proposal):
+        seen.append((graphs.compiles(), proposal.target_seconds))
+        return propose(proposal)
+
+    e.proposer.propose = spy
+    llm.generate(PROMPTS[:3], GREEDY)
+    counts = [c for c, _ in seen]
+    fresh = [i for i in range(1, len(seen)) if counts[i] != counts[i - 1]]
+    assert fresh, "no step compiled a graph"
+    assert all(seen[i][1] == 0.0 for i in fresh)
+    assert sum(t > 0 for i, (_, t) in enumerate(seen) if i > fresh[0] and i not in fresh) >= 10

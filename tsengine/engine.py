@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tsengine import graphs
 from tsengine.capture import CaptureBuffer, Captured
 from tsengine.config import EngineConfig
 from tsengine.errors import UserError
@@ -120,7 +121,7 @@ class Engine:
     # ---- one step ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        t0 = time.perf_counter()
+        t0, compiled_before = time.perf_counter(), graphs.compiles()
         solo = self.quarantine.solo()
         batch = self.scheduler.schedule(only=solo)
         if not batch:
@@ -138,7 +139,8 @@ class Engine:
         decode = sum(s.num_tokens for s in batch if s.verify or s.num_tokens == 1)
         prefill = sum(s.num_tokens for s in batch) - decode
         tokens = sum(len(o.new_tokens) for o in outputs)
-        outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, t1 - t0, tokens), solo)
+        seconds = t1 - t0 if graphs.compiles() == compiled_before else 0.0  # a compile is no step's cost
+        outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, seconds, tokens), solo)
         if solo is not None:
             self.quarantine.release(solo)
         if self.config.debug_checks:

@@ -33,6 +33,13 @@ log = logging.getLogger("tsengine")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CONTEXT = 256
+_compiles = 0  # graphs compiled (or loaded from torch's cache) in this process
+
+
+def compiles() -> int:
+    """How many graphs this process has compiled so far: a step that compiled one took seconds, not
+    milliseconds, so timing consumers (the adaptive policy's cost model) skip it."""
+    return _compiles
 
 
 @dataclass(frozen=True)
@@ -105,8 +112,10 @@ class CompiledSteps:
         tables[:b, :width] = ctx.block_tables[:, :width]
         lens = torch.cat([ctx.context_lens, ctx.context_lens.new_ones(shape.batch - b)])
         tree = (rows(ctx.tree_start, 0), rows(ctx.tree_anc, 1)) if shape.tree else (None, None)
+        global _compiles
         graph, t0 = self.graphs.get(shape), time.perf_counter()
         if graph is None:
+            _compiles += 1
             fn = functools.partial(static_step, self.model, self.kv, self.block_size, shape.window)
             graph = self.graphs[shape] = torch.compile(fn, fullgraph=True, dynamic=False,
                                                        options={"cpp_wrapper": True})
@@ -152,9 +161,11 @@ class DraftGraphs:
         if pad:
             first, pos = torch.cat([first, first.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+        global _compiles
         key = size, context
         graph = self.graphs.get(key)
         if graph is None:
+            _compiles += 1
             graph = self.graphs[key] = torch.compile(functools.partial(draft_step, self.proposer), fullgraph=True,
                                                      dynamic=False, options={"cpp_wrapper": True})
         drafts = [first]

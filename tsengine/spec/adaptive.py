@@ -62,6 +62,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from tsengine import graphs
 from tsengine.spec.drafts import Proposal
 from tsengine.spec.estimates import Acceptance, LinearCost, MeanTokens, PerRequest
 
@@ -180,12 +181,14 @@ class AdaptivePolicy:
             # changes a step's prefill work, and long prefill rows would pull the decode line off its range
             self.target_cost.update([1.0, proposal.decode_rows - tree_rows, tree_rows], proposal.target_seconds)
             last = self.last
-            if last.raw_tokens_per_s > 0 and proposal.tokens:
+            if last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None:
                 realized = proposal.tokens / (proposal.target_seconds + self.last_draft_seconds)
                 self.correction.observe(last.kind, len(last.sources), realized, last.raw_tokens_per_s)
 
-    def learn_draft(self, extended: int, plan: Plan, seconds: float) -> None:
-        self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], seconds)
+    def learn_draft(self, extended: int, plan: Plan, seconds: float | None) -> None:
+        """`seconds` None: the drafter compiled a graph in this step, which says nothing about its cost."""
+        if seconds is not None:
+            self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], seconds)
         self.last, self.last_draft_seconds = plan, seconds
 
     # ---- deciding ---------------------------------------------------------------------------------------
@@ -322,7 +325,7 @@ class AdaptiveProposer:
             if not head or c.start == 0:  # off, the head misses these rows; from position 0 it rebuilds them all
                 stats(c.seq, self.policy.steps).head_gap = not head
         need = proposal.drafting
-        t0 = time.perf_counter()
+        t0, compiled_before = time.perf_counter(), graphs.compiles()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
         plan = policy.choose([seq.spec_stats for seq in need], found) if need else Plan(Arm(0), [])
         arm, eagle, drafts = plan.arm, plan.eagle, []
@@ -339,7 +342,8 @@ class AdaptiveProposer:
             if first is not None:
                 first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
             extended = sum(len(c.rows) for c in proposal.runs) if head else 0
-            policy.learn_draft(extended, plan, time.perf_counter() - t0)
+            fresh = graphs.compiles() != compiled_before
+            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t0)
             self.draft_len = arm.steps
             policy.chosen[arm.name] += 1
             policy.drafted_by.update(plan.sources)
