@@ -71,7 +71,9 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
                                                                     "num_draft_tokens": 32})):
         llm = LLM(str(target), speculative_config=spec, max_num_seqs=4)
         ids = encode_prompt(llm.tokenizer, PROMPT)
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        # warm-up to full length: it compiles the step graphs of every context size the timed run reaches
+        # (tsengine/graphs.py; ~30-50 s each on 2 cores the first time, seconds from torch's cache after)
+        llm.generate([ids], params)
         t0 = time.perf_counter()
         out = llm.generate([ids], params)[0]
         dt = time.perf_counter() - t0
