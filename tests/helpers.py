@@ -54,6 +54,26 @@ def make_llm(tiny_dirs, kind="llama", head=None, steps=3, **kw):
     return LLM(str(tiny_dirs[kind]), speculative_config=spec, **kw)
 
 
+def random_workload(engine, prompts, params, seed: int, abort_rate: float):
+    """Requests arrive at random (half the steps) and are aborted at random (`abort_rate` per step) until
+    the engine is idle. Returns (tokens per request index, aborted indices, whether any was preempted)."""
+    rng, pending = random.Random(seed), list(range(len(prompts)))
+    got: dict[int, list[int]] = {i: [] for i in pending}
+    aborted, preempted = set(), False
+    while pending or engine.has_unfinished():
+        if pending and rng.random() < 0.5:
+            i = pending.pop(0)
+            engine.add_request(str(i), prompts[i], params[i])
+        if rng.random() < abort_rate and engine.requests:
+            victim = rng.choice(sorted(engine.requests))
+            engine.abort(victim)
+            aborted.add(int(victim))
+        for o in engine.step():
+            got[int(o.request_id)] += o.new_tokens
+        preempted |= any(s.num_preempted for s in engine.scheduler.running + list(engine.scheduler.waiting))
+    return got, aborted, preempted
+
+
 def greedy_truth(tiny_dirs, kind, n):
     """Plain greedy (no speculation) continuations of PROMPTS, `n` tokens each, keyed by prompt."""
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
-from tests.helpers import PROMPTS, greedy_truth, make_llm
+from tests.helpers import PROMPTS, greedy_truth, make_llm, random_workload
 from tsengine.context import Context
 from tsengine.errors import UserError
 from tsengine.llm import LLM
@@ -142,23 +142,8 @@ def test_random_workload_with_preemption_keeps_outputs_and_blocks(tiny_dirs, hea
              for p, s in zip(prompts, sp)]
     # 24 blocks of 4 tokens: one request fits (64 + 2S positions = 18 blocks), four do not
     llm = make_llm(tiny_dirs, head=heads["llama"], num_kv_blocks=24, max_num_seqs=4, max_model_len=64)
-    e, rng = llm.engine, random.Random(0)
-    pending = list(range(len(prompts)))
-    got: dict[int, list[int]] = {i: [] for i in pending}
-    aborted, done, preempted = set(), set(), False
-    while pending or e.has_unfinished():
-        if pending and rng.random() < 0.5:
-            i = pending.pop(0)
-            e.add_request(str(i), prompts[i], sp[i])
-        if rng.random() < 0.03 and e.requests:
-            victim = rng.choice(sorted(e.requests))
-            e.abort(victim)
-            aborted.add(int(victim))
-        for o in e.step():
-            got[int(o.request_id)] += o.new_tokens
-            if o.finished:
-                done.add(int(o.request_id))
-        preempted |= any(s.num_preempted for s in e.scheduler.running + list(e.scheduler.waiting))
+    e = llm.engine
+    got, aborted, preempted = random_workload(e, prompts, sp, seed=0, abort_rate=0.03)
     assert preempted, "the workload never ran out of blocks: the test would not exercise preemption"
     assert e.runner.blocks.num_free == e.runner.blocks.num_blocks, "blocks leaked"
     for i in range(len(prompts)):

@@ -4,12 +4,10 @@ test-compiled` runs the engine's losslessness tests compiled."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from tests.helpers import PROMPTS
+from tests.helpers import PROMPTS, random_workload
 from tsengine.context import Context
 from tsengine.graphs import Shape
 from tsengine.kv_cache import scratch_slot
@@ -108,19 +106,7 @@ def test_random_workload_compiled_with_preemption(tiny_dirs, heads):
              for p, s in zip(PROMPTS, sp)]
     spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
     e = _llm(tiny_dirs, False, spec, num_kv_blocks=24, max_num_seqs=4, max_model_len=64).engine
-    rng, pending, got, aborted = random.Random(1), list(range(4)), {i: [] for i in range(4)}, set()
-    preempted = False
-    while pending or e.has_unfinished():
-        if pending and rng.random() < 0.5:
-            i = pending.pop(0)
-            e.add_request(str(i), PROMPTS[i], sp[i])
-        if rng.random() < 0.02 and e.requests:
-            victim = rng.choice(sorted(e.requests))
-            e.abort(victim)
-            aborted.add(int(victim))
-        for o in e.step():
-            got[int(o.request_id)] += o.new_tokens
-        preempted |= any(s.num_preempted for s in e.scheduler.running + list(e.scheduler.waiting))
+    got, aborted, preempted = random_workload(e, PROMPTS, sp, seed=1, abort_rate=0.02)
     assert preempted, "the workload never ran out of blocks"
     assert e.runner.blocks.num_free == e.runner.blocks.num_blocks
     assert e.runner.compiled.steps > 0
