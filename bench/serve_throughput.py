@@ -144,12 +144,16 @@ def policy_counts(base: str) -> dict[str, float]:
     return out
 
 
+def requests_at(args, c: int) -> int:
+    return max(c, args.requests_per_level if c > 1 else max(2, args.requests_per_level // 4))
+
+
 def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
     raw = []
     print("| server | concurrency | round | output tok/s | τ | wall s |")
     print("| --- | --- | --- | --- | --- | --- |", flush=True)
     for c in args.levels:
-        n = max(c, args.requests_per_level if c > 1 else max(2, args.requests_per_level // 4))
+        n = requests_at(args, c)
         for r in range(args.rounds):
             k = r % len(servers)
             for s in servers[k:] + servers[:k]:
@@ -227,6 +231,8 @@ def main() -> None:
                     "(instead of --speculative-adaptive; keys it shares with the row's flags must agree)")
     ap.add_argument("--adaptive-flags", default="", help="extra flags for the adaptive server (one string)")
     ap.add_argument("--kv-cache-memory", type=int, default=2 * 10**9, help="KV cache bytes per server")
+    ap.add_argument("--no-warmup", action="store_true", help="warm up with one short request only (not every "
+                    "level at full length: compiled graphs then compile inside the first round)")
     ap.add_argument("--json", help="write raw round results and medians here")
     ap.add_argument("--png", help="plot median output tok/s per concurrency (min–max bars) here")
     args = ap.parse_args()
@@ -239,8 +245,12 @@ def main() -> None:
         for name, spec in server_rows(args):
             servers.append({"name": name, **start_server(args, spec)})
         wait_healthy(servers)
-        for s in servers:
-            asyncio.run(level(s["base"], prompts, 1, 1, 8))  # warm-up
+        for s in servers:  # warm-up: every level once as measured, unrecorded, so the compiled step graphs
+            for c in args.levels:  # (one per batch bucket, window and context) and the adaptive cost model
+                n = 1 if args.no_warmup else requests_at(args, c)  # are ready before the timed rounds
+                asyncio.run(level(s["base"], prompts, c, n, 8 if args.no_warmup else args.max_tokens))
+                if args.no_warmup:
+                    break
         raw = measure(args, servers, prompts)
     finally:
         stop_servers(servers)

@@ -182,6 +182,19 @@ def test_each_request_gets_the_source_that_pays_for_it():
     assert plan.arm.steps >= 2 and plan.sources == ["ngram", "plain", "plain", "plain"], plan
 
 
+def test_lookup_alone_wins_where_the_head_accepts_more_but_costs_its_forwards():
+    """Per request the head commits more (3 of 3 against lookup's 2 of 3), but each head forward costs 20%
+    of a target step and lookup costs nothing: the step drafts by lookup only."""
+    p = trained_policy(draft_step_seconds=0.002, accepted=3)
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 2)
+        st.observe("eagle3", 3, 3)
+    assert p._chain_plan(3, [st], [[1, 2, 3]]).sources == ["eagle3"]  # by tokens alone: the head
+    plan = p.choose([st], [[1, 2, 3]])
+    assert plan.arm.steps >= 2 and plan.sources == ["ngram"], plan
+
+
 def test_what_an_arm_delivers_corrects_its_prediction():
     """The lines say chain 3; its steps keep delivering half the predicted tokens per second (say the head
     is poor on today's prompts): the policy moves to the next best arm."""

@@ -221,14 +221,17 @@ class AdaptivePolicy:
                 chain_rows += arm.steps + 1
         return self.predict(arm, tokens, chain_rows, tree_rows, sources.count("eagle3"))
 
-    def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan | None:
+    def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None],
+                    lookup_only: bool = False) -> Plan | None:
         """Chain length k for every request that has a source worth drafting from (its best by expected
-        tokens: the head, or prompt lookup where its tokens offer a continuation); None if none has."""
+        tokens: the head, or prompt lookup where its tokens offer a continuation); None if none has.
+        `lookup_only`: prompt lookup or nothing. Per request the head may commit more, but one request on
+        the head makes the step pay k sequential head forwards, which a lookup-only step does not."""
         sources, tokens, heads = [], float(len(stats)), 0
         for st, f in zip(stats, found):
             st = st or self._untried
             options = []
-            if self.head_on and not st.head_gap:
+            if self.head_on and not st.head_gap and not lookup_only:
                 options.append((st.tokens("eagle3", k, self.eagle), "eagle3"))
             if f is not None:  # drafts past the continuation repeat its last token: count none of them
                 options.append((st.tokens("ngram", min(k, len(f)), self.lookup, bonus=0.1), "ngram"))
@@ -251,7 +254,10 @@ class AdaptivePolicy:
         predicted with optimism for barely tried sources, and corrected by each arm's record)."""
         batch = len(stats)
         plans = [Plan(Arm(0), ["plain"] * batch, self.predict(Arm(0), batch, batch, 0, 0) * self.correction("plain", batch))]
-        plans += filter(None, (self._chain_plan(a.steps, stats, found) for a in self.arms if a.steps and not a.is_tree))
+        chains = [a.steps for a in self.arms if a.steps and not a.is_tree]
+        plans += filter(None, (self._chain_plan(k, stats, found) for k in chains))
+        if self.head_on and any(f is not None for f in found):
+            plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True) for k in chains))
         heads = ["eagle3" if self.head_on and not (st and st.head_gap) else "plain" for st in stats]
         if "eagle3" in heads:
             plans += [Plan(a, heads, self.price(a, heads, stats) * self.correction(a.name, batch)) for a in self.tree_tokens]
@@ -321,8 +327,8 @@ class AdaptiveProposer:
         policy = self.policy
         policy.learn(proposal)
         head = policy.head_on
-        for c in proposal.runs:
-            if not head or c.start == 0:  # off, the head misses these rows; from position 0 it rebuilds them all
+        for c in proposal.runs:  # off, the head misses these rows; a run starting where the head's KV ends
+            if not head or c.start == c.seq.draft_cached:  # (position 0, or a cached prefix) rebuilds them
                 stats(c.seq, self.policy.steps).head_gap = not head
         need = proposal.drafting
         t0, compiled_before = time.perf_counter(), graphs.compiles()
