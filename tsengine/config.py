@@ -196,6 +196,9 @@ class EngineConfig(_Strict):
     debug_checks: bool = Field(False, description="run the block/scheduler invariants every step")
     enforce_eager: bool = Field(False, description=(
         "run every step eagerly: no compiled step graphs (tsengine/graphs.py; also TSENGINE_ENFORCE_EAGER=1)"))
+    enable_prefix_caching: bool = Field(True, description=(
+        "reuse the KV blocks of prompt prefixes already computed, in the target's and the draft's cache "
+        "(tsengine/prefix_cache.py); --no-enable-prefix-caching turns it off"))
     capture_layer_ids: tuple[int, ...] | None = Field(None, description=(
         "the target layers whose outputs capturing requests keep (training data at engine speed: "
         "tsengine/capture.py)"))

@@ -25,6 +25,8 @@ from tsengine.config import EngineConfig
 from tsengine.errors import UserError
 from tsengine.faults import EngineFault, Quarantine, engine_wide, failure_message
 from tsengine.metrics import Stats
+from tsengine.prefix_cache import PrefixCache
+from tsengine.prefix_cache import salt as prefix_salt
 from tsengine.runner import ModelRunner
 from tsengine.sampling import RowParams, SamplingParams
 from tsengine.scheduler import Scheduled, Scheduler
@@ -65,10 +67,15 @@ class Engine:
         self.spec_steps = s.num_steps if s else 0
         self.proposer = build_proposer(s, self.runner)
         self.verifier = Verifier(s, self.runner.kv, self.runner.block_size, self.runner.device)
+        prefix = None
+        if config.enable_prefix_caching:
+            root = prefix_salt(self.runner.model_path, (s.draft_model_path or "") if s else "", str(self.runner.dtype))
+            prefix = PrefixCache(self.runner.blocks, root, drafter_kv=self.runner.draft_kv is not None)
         self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                   s.num_draft_tokens if s else 1, reserve_slots(s))
+                                   s.num_draft_tokens if s else 1, reserve_slots(s), prefix)
         self.requests: dict[str, Sequence] = {}
         self.stats = Stats(self.spec_steps)
+        self.stats.prefix = prefix
         if hasattr(self.proposer, "policy"):
             self.stats.describe_policy = self.proposer.policy.describe
         self.quarantine = Quarantine()
@@ -141,6 +148,7 @@ class Engine:
         tokens = sum(len(o.new_tokens) for o in outputs)
         seconds = t1 - t0 if graphs.compiles() == compiled_before else 0.0  # a compile is no step's cost
         outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, seconds, tokens), solo)
+        self.scheduler.cache_blocks([c.seq for c in committed])
         if solo is not None:
             self.quarantine.release(solo)
         if self.config.debug_checks:

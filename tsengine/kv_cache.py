@@ -8,11 +8,17 @@ request's blocks always cover both caches.
 Reference counts let a block be shared (one owner per reference); `check` is the invariant the debug
 mode runs after every step: every block is either free or referenced, counts equal the number of
 tables holding the block, and nothing leaks.
+
+Prefix caching (`tsengine/prefix_cache.py` decides what a block's key is and when it is complete): a full
+block may carry a key. When its last reference goes it stays on the free list with its KV and its key, at
+the most-recently-used end, and a later request with the same key takes it back (`take`); blocks without a
+key go to the front, so they are reused first. A keyed block is evicted (its key forgotten) only when
+`grow` needs it: when no unkeyed free block is left.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import torch
 
@@ -23,7 +29,10 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.ref = [0] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front: reused first
+        self.key_of: dict[int, bytes] = {}  # block -> its prefix key (full, complete blocks only)
+        self.block_of: dict[bytes, int] = {}  # prefix key -> the block holding it
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -36,11 +45,16 @@ class BlockManager:
         return self.blocks_for(num_tokens) - len(table) <= len(self.free)
 
     def grow(self, table: list[int], num_tokens: int) -> None:
-        """Make `table` cover `num_tokens` positions (caller checked `can_grow`)."""
+        """Make `table` cover `num_tokens` positions (caller checked `can_grow`). A keyed free block taken
+        here is evicted: its key is forgotten before anything overwrites its KV."""
         need = self.blocks_for(num_tokens) - len(table)
         for _ in range(need):
-            b = self.free.popleft()
+            b, _ = self.free.popitem(last=False)
             assert self.ref[b] == 0
+            key = self.key_of.pop(b, None)
+            if key is not None:
+                del self.block_of[key]
+                self.evictions += 1
             self.ref[b] = 1
             table.append(b)
 
@@ -57,6 +71,8 @@ class BlockManager:
         return list(table)
 
     def release(self, table: list[int]) -> None:
+        """Last block first: a request's tail ends up nearer the front of the free list than its head, so
+        of its cached blocks the tail is evicted first (the head is the likelier prefix of another request)."""
         while table:
             self._release(table.pop())
 
@@ -64,18 +80,45 @@ class BlockManager:
         self.ref[b] -= 1
         assert self.ref[b] >= 0, f"block {b} released twice"
         if self.ref[b] == 0:
-            self.free.append(b)
+            self.free[b] = None
+            if b not in self.key_of:
+                self.free.move_to_end(b, last=False)
+
+    # ---- prefix caching -------------------------------------------------------------------------------------
+    def cached(self, key: bytes) -> int | None:
+        return self.block_of.get(key)
+
+    def can_take(self, hits: list[int], num_tokens: int) -> bool:
+        """Whether a table made of the cached blocks `hits` can then grow to `num_tokens` positions (a hit
+        sitting on the free list stops being free when taken)."""
+        idle = sum(1 for b in hits if self.ref[b] == 0)
+        return self.blocks_for(num_tokens) - len(hits) <= len(self.free) - idle
+
+    def take(self, hits: list[int]) -> list[int]:
+        """A new table over cached blocks (one reference each; idle ones leave the free list)."""
+        for b in hits:
+            if self.ref[b] == 0:
+                del self.free[b]
+            self.ref[b] += 1
+        return list(hits)
+
+    def set_key(self, b: int, key: bytes) -> None:
+        """Key a full block whose KV is complete. A key already held by another block (two requests computed
+        the same prefix at once) stays with that block; this one stays unkeyed."""
+        if b not in self.key_of and key not in self.block_of:
+            self.key_of[b], self.block_of[key] = key, b
 
     def check(self, tables: list[list[int]]) -> None:
-        """Debug invariant: refcounts equal table membership; free blocks are exactly the unreferenced."""
+        """Debug invariant: refcounts equal table membership; free blocks are exactly the unreferenced; the
+        key maps are each other's inverse."""
         counts = [0] * self.num_blocks
         for t in tables:
             for b in t:
                 counts[b] += 1
         assert counts == self.ref, "block reference counts differ from the tables that hold them"
-        free = set(self.free)
-        assert len(free) == len(self.free), "a block is on the free list twice"
-        assert free == {b for b in range(self.num_blocks) if self.ref[b] == 0}, "leaked or double-owned block"
+        assert set(self.free) == {b for b in range(self.num_blocks) if self.ref[b] == 0}, "leaked or double-owned block"
+        assert len(self.key_of) == len(self.block_of) and all(self.block_of[k] == b for b, k in self.key_of.items()), \
+            "prefix keys and blocks disagree"
 
 
 def bytes_per_block(block_size: int, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

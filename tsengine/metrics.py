@@ -18,6 +18,7 @@ class Stats:
         self.time_forward = self.time_commit = self.time_draft = 0.0
         self.log_every_s, self._last_log, self._window = log_every_s, time.monotonic(), [0, 0]
         self.describe_policy = None  # adaptive speculation's own summary for the log line, when it runs
+        self.prefix = None  # the prefix cache (its token counters), when prefix caching is on
 
     def verified(self, accepted: int, drafted: int) -> None:
         """`drafted`: the chain's length (a tree counts its S steps, as vLLM counts num_spec_tokens)."""
@@ -42,10 +43,12 @@ class Stats:
         if now - self._last_log >= self.log_every_s:
             dt = now - self._last_log
             rates = [f"{a / d:.2f}" for a, d in zip(self.accepted_per_pos, self.drafted_per_pos) if d]
-            log.info("Decode batch. #running-req: %d, gen throughput (token/s): %.1f, Decoded Tok/Iter: %.2f%s",
+            p = self.prefix
+            log.info("Decode batch. #running-req: %d, gen throughput (token/s): %.1f, Decoded Tok/Iter: %.2f%s%s",
                      reqs, self._window[0] / dt, self._window[0] / max(1, self._window[1]),
                      f", accept len: {self.mean_acceptance_length:.2f}, acceptance per pos: {' '.join(rates)}"
-                     if rates else "")
+                     if rates else "",
+                     f", prefix cache hit rate: {p.hits / p.queries:.1%}" if p is not None and p.queries else "")
             if self.describe_policy is not None:
                 log.info(self.describe_policy())
             self._last_log, self._window = now, [0, 0]

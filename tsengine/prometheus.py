@@ -39,6 +39,11 @@ class _EngineCollector:
         if policy is not None:
             yield from _policy_metrics(e.proposer.draft_len, policy)
         sched, blocks = e.scheduler, e.runner.blocks
+        if sched.prefix is not None:  # vLLM's pair: prompt tokens looked up, and of those found cached
+            yield CounterMetricFamily("tsengine:prefix_cache_queries", "Prefix cache: prompt tokens looked up.",
+                                      value=sched.prefix.queries)
+            yield CounterMetricFamily("tsengine:prefix_cache_hits", "Prefix cache: prompt tokens found cached.",
+                                      value=sched.prefix.hits)
         yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=len(sched.running))
         yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=len(sched.waiting))
         yield GaugeMetricFamily("tsengine:kv_cache_usage_perc", "Fraction of KV blocks in use.",

@@ -39,7 +39,7 @@ class Forward:
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
-        path = resolve(config.model)
+        path = self.model_path = resolve(config.model)
         try:
             hf = AutoConfig.from_pretrained(path)
             self.tokenizer = AutoTokenizer.from_pretrained(resolve(config.tokenizer) if config.tokenizer else path)

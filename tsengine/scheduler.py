@@ -6,6 +6,11 @@ the token budget, the request cap and the free blocks allow. When a running requ
 the newest running request is preempted (its blocks freed, recomputed later; seeded sampling keys by
 position, so recompute gives the same tokens). A step never crashes for lack of blocks and never leaks.
 
+With prefix caching (`tsengine/prefix_cache.py`) a request is admitted from its longest cached prefix: its
+table starts with the cached blocks and its first chunk starts after them. A request whose next block is
+being computed by a running request waits (it skips its turn; the queue behind it goes on) until that
+block is cached: n > 1 samples and bursts with one system prompt prefill it once.
+
 Blocks reserved per request: `len(tokens) + reserve` positions (`startup.reserve_slots`: 2·S for a chain,
 max(2·S, N) for a tree of N nodes, 0 without speculation).
 """
@@ -16,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tsengine.kv_cache import BlockManager
+from tsengine.prefix_cache import PrefixCache
 from tsengine.sequence import Sequence, Status
 
 
@@ -33,10 +39,12 @@ class Scheduled:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, window: int,
-                 reserve: int):
+                 reserve: int, prefix: PrefixCache | None = None):
         """`window`: the largest verify window (N: the root plus the drafts), 1 without speculation; a step's
-        windows are as long as its requests' drafts (adaptive speculation varies them step to step)."""
+        windows are as long as its requests' drafts (adaptive speculation varies them step to step).
+        `prefix`: the prefix cache, None when prefix caching is off."""
         self.blocks, self.max_num_seqs, self.budget = blocks, max_num_seqs, max_num_batched_tokens
+        self.prefix = prefix
         self.window, self.reserve = window, reserve
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -91,22 +99,31 @@ class Scheduler:
             self.running.append(seq)
             budget -= n
         self.running.extend(queue)  # not reached this step (budget spent): they keep their blocks
+        deferred = []  # waiting for a block another request is computing: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(len(seq.tokens), budget)
-            need = n + (self.reserve if n == len(seq.tokens) else 0)
-            if not self.blocks.can_grow(seq.table, need):
+            seq = self.waiting.popleft()
+            hits = self.prefix.lookup(seq) if self.prefix else []
+            if self.prefix and self.prefix.computing(seq, hits):
+                deferred.append(seq)
+                continue
+            start = len(hits) * self.blocks.block_size
+            n = min(len(seq.tokens) - start, budget)
+            need = start + n + (self.reserve if start + n == len(seq.tokens) else 0)
+            if not self.blocks.can_take(hits, need):
+                self.waiting.appendleft(seq)
                 break
-            self.waiting.popleft()
+            if self.prefix:
+                self.prefix.admit(seq, hits)
             self.blocks.grow(seq.table, need)
             seq.status = Status.RUNNING
-            out.append(Scheduled(seq, 0, n, False))
+            out.append(Scheduled(seq, start, n, False))
             self.running.append(seq)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return out
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.release(seq.table)
+        self._release(seq)
         seq.preempt()
         self.waiting.appendleft(seq)
 
@@ -117,13 +134,26 @@ class Scheduler:
             self._preempt(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Free everything a finished or aborted request holds (running or waiting)."""
+        """Free everything a finished or aborted request holds (running or waiting). A request stopped by
+        an error leaves nothing in the prefix cache: its KV is suspect."""
         seq.status, seq.finish_reason = Status.FINISHED, reason
-        self.blocks.release(seq.table)
+        self._release(seq, keep=reason != "error")
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _release(self, seq: Sequence, keep: bool = True) -> None:
+        if self.prefix:
+            self.prefix.release(seq, keep)
+        self.blocks.release(seq.table)
+
+    def cache_blocks(self, seqs: list[Sequence]) -> None:
+        """After a step's commit and drafting: key the blocks that became complete (prefix caching)."""
+        if self.prefix:
+            for seq in seqs:
+                if seq.status is Status.RUNNING:
+                    self.prefix.commit(seq)
 
     def trim(self, seq: Sequence) -> None:
         """After a commit: keep only the blocks the next step can use (rejected drafts' blocks go back)."""
@@ -138,3 +168,5 @@ class Scheduler:
         assert len({s.sid for s in live}) == len(live), "a request is queued twice"
         for s in self.running:
             assert self.blocks.blocks_for(s.num_cached) <= len(s.table), "cached positions outside the table"
+        if self.prefix:  # a waiting request may wait on a block only while a running request computes it
+            assert set(self.prefix.computing_by.values()) <= {s.sid for s in self.running}, "stale prefix promise"

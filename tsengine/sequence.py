@@ -49,6 +49,9 @@ class Sequence:
     accepted: int = 0  # draft tokens accepted in total
     ngram: "NgramIndex | None" = None  # prompt lookup's index of this request's tokens (NGRAM, adaptive)
     spec_stats: object = None  # adaptive speculation's acceptance counts for this request (spec/adaptive.py)
+    draft_cached: int = 0  # positions [0, draft_cached) hold the EAGLE-3 head's committed KV (<= num_cached)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (prefix_cache.py)
+    num_keyed: int = 0  # positions whose blocks have their prefix-cache key
 
     def __post_init__(self):
         self.prompt_len = self.prompt_len or len(self.tokens)
@@ -68,4 +71,5 @@ class Sequence:
     def preempt(self) -> None:
         """Recompute later: KV dropped, the tokens so far become the prefix to prefill again."""
         self.status, self.num_cached, self.drafts = Status.WAITING, 0, None
+        self.draft_cached = self.num_keyed = 0
         self.num_preempted += 1

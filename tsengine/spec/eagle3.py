@@ -74,6 +74,9 @@ class Eagle3Proposer:
         rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
         out = self._extend_and_draft(torch.tensor(ids, **long), proposal.aux[torch.tensor(rows, **long)], ctx,
                                      torch.tensor(last, **long), tables, rp, steps, tree)
+        for c in proposal.runs:  # the head's KV now covers these runs, where it covered what came before
+            if c.seq.draft_cached == c.start:
+                c.seq.draft_cached = c.start + len(c.rows)
         if out is None:
             return []
         if isinstance(out, Tree):
