@@ -37,11 +37,11 @@ def llm(tiny_dirs, method, head, caching: bool, **kw) -> LLM:
     return LLM(str(tiny_dirs["llama"]), speculative_config=spec_for(method, head), enable_prefix_caching=caching, **kw)
 
 
-def params(i: int, n: int = 1) -> SamplingParams:
+def params(i: int, n: int = 1, max_tokens: int = 10) -> SamplingParams:
     """Greedy and seeded sampled rows, alternating."""
     if i % 2 == 0:
-        return SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=n)
-    return SamplingParams(temperature=0.9, seed=40 + i, max_tokens=10, ignore_eos=True, n=n)
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
+    return SamplingParams(temperature=0.9, seed=40 + i, max_tokens=max_tokens, ignore_eos=True, n=n)
 
 
 def conversation(engine_llm: LLM) -> list[list[int]]:
@@ -126,16 +126,18 @@ def prefill_tokens(engine: Engine) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("method", ["plain", "chain"])
-def test_n_samples_prefill_their_prompt_once(tiny_dirs, heads, method):
+@pytest.mark.parametrize("method, max_tokens", [("plain", 10), ("chain", 10), ("chain", 1)])
+def test_n_samples_prefill_their_prompt_once(tiny_dirs, heads, method, max_tokens):
+    """max_tokens 1: sample 0 finishes in its prefill step; the head still extends over it before its blocks
+    go back, so they are complete and cached."""
     prompt = SYSTEM + [60, 61, 62, 63, 64, 65, 66, 67, 68]  # 32 tokens: 7 full blocks + 3 to compute
     on = llm(tiny_dirs, method, heads["llama"], True)
     seen = prefill_tokens(on.engine)
-    got = on.generate([prompt], params(1, n=4))[0]
+    got = on.generate([prompt], params(1, n=4, max_tokens=max_tokens))[0]
     assert sum(seen) == len(prompt) + 3 * (len(prompt) - 28), seen  # sample 0 whole, the others past 7 blocks
-    off = llm(tiny_dirs, method, heads["llama"], False).generate([prompt], params(1, n=4))[0]
+    off = llm(tiny_dirs, method, heads["llama"], False).generate([prompt], params(1, n=4, max_tokens=max_tokens))[0]
     assert [o.token_ids for o in got.outputs] == [o.token_ids for o in off.outputs]
-    assert len({tuple(o.token_ids) for o in got.outputs}) > 1  # they did diverge
+    assert len({tuple(o.token_ids) for o in got.outputs}) > 1  # they did diverge (4 seeds)
 
 
 @pytest.mark.parametrize("method", ["plain", "chain"])

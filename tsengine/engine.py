@@ -79,6 +79,7 @@ class Engine:
         if hasattr(self.proposer, "policy"):
             self.stats.describe_policy = self.proposer.policy.describe
         self.quarantine = Quarantine()
+        self.finishing: list[tuple[Sequence, str]] = []  # finished this step, released after drafting
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -147,7 +148,13 @@ class Engine:
         prefill = sum(s.num_tokens for s in batch) - decode
         tokens = sum(len(o.new_tokens) for o in outputs)
         seconds = t1 - t0 if graphs.compiles() == compiled_before else 0.0  # a compile is no step's cost
-        outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, seconds, tokens), solo)
+        try:
+            outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, seconds, tokens), solo)
+        finally:
+            for seq, reason in self.finishing:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.finish(seq, reason)
+            self.finishing.clear()
         self.scheduler.cache_blocks([c.seq for c in committed])
         if solo is not None:
             self.quarantine.release(solo)
@@ -164,10 +171,11 @@ class Engine:
         except Exception as error:
             if engine_wide(error):
                 raise EngineFault(f"engine-wide failure while drafting: {type(error).__name__}") from error
-            if solo is not None and solo.status is not Status.FINISHED:
+            done = {seq for seq, _ in self.finishing}
+            if solo is not None and solo.status is not Status.FINISHED and solo not in done:
                 log.error("request %s failed while drafting and is stopped", solo.request_id, exc_info=error)
                 return [self._fail(solo, failure_message(error))]
-            seqs = [c.seq for c in proposal.runs]
+            seqs = [c.seq for c in proposal.runs if c.seq not in done]
             log.warning("drafting failed (%s); recomputing its %d request(s), one at a time",
                         type(error).__name__, len(seqs), exc_info=error)
             for seq in seqs:
@@ -216,13 +224,15 @@ class Engine:
                 seq.accepted += verdict.accepted
                 self.stats.verified(verdict.accepted, s.num_tokens - 1)
             kept, reason = self._append(seq, verdict.tokens if verdict is not None else [])
-            if reason:
-                self.scheduler.finish(seq, reason)
-                self.requests.pop(seq.request_id, None)
+            rows = [first + j for j in verdict.path] if s.verify else list(range(first, first + s.num_tokens))
+            if reason:  # it keeps its blocks until the proposer has extended over these rows too (`step`):
+                self.requests.pop(seq.request_id, None)  # then its last blocks are complete for the prefix cache
+                self.finishing.append((seq, reason))
+                rows = rows[:max(0, len(seq.tokens) - 1 - s.start)]  # a stop may cut the accepted path short
             else:
                 self.scheduler.trim(seq)
-                rows = [first + j for j in verdict.path] if s.verify else list(range(first, first + s.num_tokens))
-                committed.append(Committed(seq, s.start, rows, s.samples,
+            if rows:
+                committed.append(Committed(seq, s.start, rows, s.samples and not reason,
                                            (s.num_tokens - 1, verdict.accepted) if s.verify else None))
             if kept or reason:
                 captured = seq.capture.result(len(seq.tokens)) if reason and seq.capture is not None else None
