@@ -105,15 +105,16 @@ def main() -> None:
     rows = {}
     for mode in args.modes.split(","):
         eager, tag = mode == "eager", "" if mode == "compiled" else f" [{mode}]"
-        rows["plain" + tag] = LLM(path, max_num_seqs=1, enforce_eager=eager)
+        kw = dict(max_num_seqs=1, enable_prefix_caching=False, enforce_eager=eager)
+        rows["plain" + tag] = LLM(path, **kw)
         if args.draft:
             for shape in args.shapes.split(";"):
                 st, k, n = (int(x) for x in shape.split(","))
-                rows[f"eagle3 ({st},{k},{n}){tag}"] = LLM(path, max_num_seqs=1, enforce_eager=eager, speculative_config={
+                rows[f"eagle3 ({st},{k},{n}){tag}"] = LLM(path, **kw, speculative_config={
                     "method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
                     "num_draft_tokens": n})
         if args.ngram:
-            rows[f"ngram ({args.steps}){tag}"] = LLM(path, max_num_seqs=1, enforce_eager=eager, speculative_config={
+            rows[f"ngram ({args.steps}){tag}"] = LLM(path, **kw, speculative_config={
                 "method": "ngram", "num_speculative_tokens": args.steps})
     plain_name = next(iter(rows))
     prompts = val_prompts(rows[plain_name].tokenizer, args.prompts)
@@ -128,9 +129,10 @@ def main() -> None:
         head = Eagle3Head(cfg)
         head.init_weights(0)
         head.set_vocab_map(*vocab_map(cfg.vocab_size, cfg.draft_vocab_size, None))
-        rows["eagle3-random"] = LLM(path, max_num_seqs=1, speculative_config={
+        rows["eagle3-random"] = LLM(path, max_num_seqs=1, enable_prefix_caching=False, speculative_config={
             "method": "eagle3", "model": str(save_head(head, tempfile.mkdtemp())), "num_speculative_tokens": args.steps})
     longest = max(prompts, key=len)
+    # Prefix caching is off in every row: repeats resend the same prompts, and HF pays their prefill each time.
     for llm in rows.values():  # warm-up: first calls allocate, pick kernels and compile every context bucket
         engine_row(llm, [longest], args.max_tokens)
     results: dict[str, list] = {k: [] for k in ["hf", *rows]}

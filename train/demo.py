@@ -69,7 +69,8 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
                         ("EAGLE-3 tree, 5 steps, top-8, 32 nodes", {"method": "eagle3", "model": str(head),
                                                                     "num_speculative_tokens": 5, "eagle_topk": 8,
                                                                     "num_draft_tokens": 32})):
-        llm = LLM(str(target), speculative_config=spec, max_num_seqs=4)
+        # no prefix caching: the timed run repeats the warm-up's prompt, and should pay its prefill as a user does
+        llm = LLM(str(target), speculative_config=spec, max_num_seqs=4, enable_prefix_caching=False)
         ids = encode_prompt(llm.tokenizer, PROMPT)
         # warm-up to full length: it compiles the step graphs of every context size the timed run reaches
         # (tsengine/graphs.py; ~30-50 s each on 2 cores the first time, seconds from torch's cache after)
