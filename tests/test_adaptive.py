@@ -201,7 +201,7 @@ def test_what_an_arm_delivers_corrects_its_prediction():
     p = trained_policy(draft_step_seconds=0.0005)
     plan = p.choose([None] * 4, [None] * 4)
     assert plan.arm == Arm(3) and plan.raw_tokens_per_s > 0
-    for _ in range(30):
+    for _ in range(120):
         p.learn_draft(16, plan, 0.002)
         seconds = 0.0116
         p.learn(Proposal([], None, decode_rows=16, target_seconds=seconds,

@@ -41,8 +41,8 @@ nearly as much as full ones. Measured at 16 requests that start together: the ch
 
 The lines are right on average, not at every load: a step's cost is not linear in its rows on a CPU, and
 the head's acceptance depends on the prompts of the moment. So every plan's prediction is corrected by
-what that arm actually delivered at that batch size: an average of realized / predicted tokens per second
-(`Correction`, per arm and main source and power-of-two batch bucket, over the steps without prefill
+what that arm actually delivered at that batch size: realized / predicted tokens as a ratio of decayed
+sums (`Correction`, per arm and main source and power-of-two batch bucket, over the steps without prefill
 rows). Near a
 break-even, where a small bias in either model picks the wrong side, the realized rate decides.
 
@@ -114,19 +114,31 @@ class Plan:
 
 
 class Correction:
-    """Per (plan kind, batch bucket): a running mean of realized / predicted tokens per second, from 1."""
+    """Per (plan kind, batch bucket): realized / predicted tokens, as a ratio of decayed sums, from 1.
 
-    def __init__(self, weight: float = 0.15):
-        self.weight, self.ratio = weight, {}
+    A ratio of sums, not a mean of per-step ratios: one step of a chain commits 1 to k + 1 tokens, so its
+    own ratio swings by ±50%. A running mean of those (weight 0.15, the first revision) wandered ±13%,
+    more than `MARGIN`, and a kind that drifted low stopped being chosen and stayed low (it learns only
+    when chosen): at batch 1 every speculative kind sat at 0.72–0.87 while its steps delivered 1.2× plain
+    (measured, docs/benchmarks.md). `prior` pseudo-steps at ratio 1 keep a barely tried kind near 1."""
+
+    def __init__(self, weight: float = 0.02, prior: float = 4.0):
+        self.weight, self.prior, self.sums = weight, prior, {}
+
+    @property
+    def ratio(self) -> dict:
+        return {k: got / want for k, (got, want) in self.sums.items()}
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ... (the bucket's top)
 
-    def observe(self, kind: str, batch: int, realized: float, predicted: float) -> None:
+    def observe(self, kind: str, batch: int, tokens: float, predicted_tokens: float) -> None:
+        """`tokens` the step committed; `predicted_tokens` what the prediction promised in the step's time."""
         k = kind, self.bucket(batch)
-        r = min(max(realized / predicted, 0.25), 4.0)  # one freak step (a page fault, a GC) moves it little
-        self.ratio[k] = self.ratio.get(k, 1.0) + self.weight * (r - self.ratio.get(k, 1.0))
+        got, want = self.sums.get(k, (self.prior, self.prior))
+        keep = 1 - self.weight
+        self.sums[k] = (got * keep + tokens, want * keep + predicted_tokens)
 
     def __call__(self, kind: str, batch: int) -> float:
         """The ratio at this batch bucket, else at the nearest bucket this kind has one for (a load it has
@@ -183,7 +195,8 @@ class AdaptivePolicy:
             last = self.last
             if last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None:
                 realized = proposal.tokens / (proposal.target_seconds + self.last_draft_seconds)
-                self.correction.observe(last.kind, len(last.sources), realized, last.raw_tokens_per_s)
+                seconds = proposal.target_seconds + self.last_draft_seconds
+                self.correction.observe(last.kind, len(last.sources), proposal.tokens, last.raw_tokens_per_s * seconds)
 
     def learn_draft(self, extended: int, plan: Plan, seconds: float | None) -> None:
         """`seconds` None: the drafter compiled a graph in this step, which says nothing about its cost."""
