@@ -155,7 +155,7 @@ def test_random_workload_with_preemption_keeps_outputs_and_blocks(tiny_dirs, hea
         assert blocks.num_free == blocks.num_blocks and not any(blocks.ref)
         if caching:
             assert (preempted, engine.scheduler.prefix.hits > 0, blocks.evictions > 0) == (True, True, True)
-            assert not engine.scheduler.prefix.computing_by
+            assert not engine.scheduler.prefix.computing_by and not engine.scheduler.prefix._promised
         runs[caching] = (got, aborted)
     (got_on, ab_on), (got_off, ab_off) = runs[True], runs[False]
     finished = set(range(len(prompts))) - ab_on - ab_off

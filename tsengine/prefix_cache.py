@@ -52,6 +52,7 @@ class PrefixCache:
         self.blocks, self.root, self.drafter_kv = blocks, root, drafter_kv
         self.block_size = blocks.block_size
         self.computing_by: dict[bytes, int] = {}  # key -> sid of the running request computing that block
+        self._promised: dict[int, tuple[int, int]] = {}  # sid -> [first, end) block indices it still promises
         self.queries = self.hits = 0  # prompt tokens looked up / found cached (counted at admission)
 
     def keys(self, seq: Sequence) -> list[bytes]:
@@ -86,8 +87,11 @@ class PrefixCache:
         seq.num_cached = seq.draft_cached = seq.num_keyed = len(hits) * self.block_size
         self.queries += len(seq.tokens)
         self.hits += seq.num_cached
-        for key in self.keys(seq)[len(hits):]:
+        keys = self.keys(seq)
+        for key in keys[len(hits):]:
             self.computing_by.setdefault(key, seq.sid)
+        if len(hits) < len(keys):
+            self._promised[seq.sid] = (len(hits), len(keys))
 
     def commit(self, seq: Sequence) -> None:
         """Key `seq`'s blocks that became complete (full, in every cache, next token known)."""
@@ -96,16 +100,26 @@ class PrefixCache:
         for i in range(seq.num_keyed // bs, min(done // bs, len(keys), len(seq.table))):
             self.blocks.set_key(seq.table[i], keys[i])
             seq.num_keyed = (i + 1) * bs
-        for key in keys[:seq.num_cached // bs]:  # computed in the target: nobody waits on these any more
-            if self.computing_by.get(key) == seq.sid:  # (adaptive speculation with its head off keys
-                del self.computing_by[key]  # nothing: a waiting request must not wait for its finish)
+        # computed in the target: nobody waits on these any more (adaptive speculation with its head off
+        self._unpromise(seq, seq.num_cached // bs)  # keys nothing: a waiting request must not wait for its finish)
+
+    def _unpromise(self, seq: Sequence, upto: int) -> None:
+        """Drop `seq`'s promises for its blocks below index `upto`."""
+        first, end = self._promised.get(seq.sid, (0, 0))
+        if first >= min(upto, end):
+            return
+        for key in seq.block_keys[first:min(upto, end)]:
+            if self.computing_by.get(key) == seq.sid:
+                del self.computing_by[key]
+        if upto >= end:
+            del self._promised[seq.sid]
+        else:
+            self._promised[seq.sid] = (upto, end)
 
     def release(self, seq: Sequence, keep: bool = True) -> None:
         """Before `seq`'s blocks are released (finished, aborted, preempted): key what is complete (unless its
         KV is suspect: `keep` False), and stop promising the blocks it was computing."""
         if keep:
             self.commit(seq)
-        for key in self.keys(seq):
-            if self.computing_by.get(key) == seq.sid:
-                del self.computing_by[key]
+        self._unpromise(seq, len(seq.block_keys))
         seq.num_keyed = 0
