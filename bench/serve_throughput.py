@@ -144,27 +144,51 @@ def policy_counts(base: str) -> dict[str, float]:
     return out
 
 
+def compiled_graphs(base: str) -> float:
+    """How many step graphs the server has compiled so far (/metrics)."""
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("tsengine:compiled_graphs_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def warm_up(args, s: dict, prompts: list[str]) -> None:
+    """Every level as measured, unrecorded, repeated until a pass compiles no new step graph (at most
+    `--warmup-passes`): a graph compiled inside a timed round stalls it for seconds. Adaptive speculation
+    reaches more shapes (chain lengths, lookup-only steps) than a fixed configuration, and reaches them by
+    its own choices, so one pass may not cover them."""
+    for c in args.levels:
+        for _ in range(args.warmup_passes):
+            before = compiled_graphs(s["base"])
+            asyncio.run(level(s["base"], prompts, c, requests_at(args, c), args.max_tokens))
+            if compiled_graphs(s["base"]) == before:
+                break
+
+
 def requests_at(args, c: int) -> int:
     return max(c, args.requests_per_level if c > 1 else max(2, args.requests_per_level // 4))
 
 
 def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
     raw = []
-    print("| server | concurrency | round | output tok/s | τ | wall s |")
-    print("| --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| server | concurrency | round | output tok/s | τ | wall s | graphs compiled |")
+    print("| --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for c in args.levels:
         n = requests_at(args, c)
         for r in range(args.rounds):
             k = r % len(servers)
             for s in servers[k:] + servers[:k]:
                 before = policy_counts(s["base"]) if s["name"].startswith("adaptive") else None
+                graphs_before = compiled_graphs(s["base"])
                 res = asyncio.run(level(s["base"], prompts, c, n, args.max_tokens))
+                res["compiles"] = int(compiled_graphs(s["base"]) - graphs_before)  # each stalls the round
                 if before is not None:  # what the policy chose during this level
                     res["choices"] = {k: v - before.get(k, 0) for k, v in policy_counts(s["base"]).items()
                                       if v > before.get(k, 0)}
                 raw.append({"server": s["name"], "level": c, "round": r, **res})
                 tau = f"{res['tau']:.2f}" if res["tau"] else "-"
-                print(f"| {s['name']} | {c} | {r} | {res['tok_s']:.1f} | {tau} | {res['wall']:.1f} |", flush=True)
+                print(f"| {s['name']} | {c} | {r} | {res['tok_s']:.1f} | {tau} | {res['wall']:.1f} | {res['compiles']} |",
+                      flush=True)
     return raw
 
 
@@ -233,6 +257,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=2 * 10**9, help="KV cache bytes per server")
     ap.add_argument("--no-warmup", action="store_true", help="warm up with one short request only (not every "
                     "level at full length: compiled graphs then compile inside the first round)")
+    ap.add_argument("--warmup-passes", type=int, default=3,
+                    help="most warm-up passes per level (a pass that compiles no new graph ends it)")
     ap.add_argument("--json", help="write raw round results and medians here")
     ap.add_argument("--png", help="plot median output tok/s per concurrency (min–max bars) here")
     args = ap.parse_args()
@@ -245,12 +271,11 @@ def main() -> None:
         for name, spec in server_rows(args):
             servers.append({"name": name, **start_server(args, spec)})
         wait_healthy(servers)
-        for s in servers:  # warm-up: every level once as measured, unrecorded, so the compiled step graphs
-            for c in args.levels:  # (one per batch bucket, window and context) and the adaptive cost model
-                n = 1 if args.no_warmup else requests_at(args, c)  # are ready before the timed rounds
-                asyncio.run(level(s["base"], prompts, c, n, 8 if args.no_warmup else args.max_tokens))
-                if args.no_warmup:
-                    break
+        for s in servers:  # the compiled step graphs (one per batch bucket, window and context) and the
+            if args.no_warmup:  # adaptive cost model are ready before the timed rounds
+                asyncio.run(level(s["base"], prompts, 1, 1, 8))
+            else:
+                warm_up(args, s, prompts)
         raw = measure(args, servers, prompts)
     finally:
         stop_servers(servers)

@@ -112,6 +112,8 @@ def test_the_server_runs_the_policy(tiny_dirs, heads):
     assert got == want
     assert "tsengine:spec_decode_policy_steps_total{choice=" in metrics
     assert "tsengine:spec_decode_cost_model_seconds{part=\"target\",term=\"per_chain_row\"}" in metrics
+    assert "tsengine:spec_decode_cost_model_seconds{part=\"overhead\",term=\"per_request\"}" in metrics
+    assert "tsengine:compiled_graphs_total " in metrics
 
 
 def test_linear_cost_recovers_a_line():
@@ -148,13 +150,14 @@ def test_acceptance_counts_the_accepted_run():
 
 
 def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = True) -> AdaptivePolicy:
-    """A policy whose models were fed: target 10 ms + 0.1 ms per row; drafting `draft_step_seconds` per
-    sequential head forward; the head's drafts accepted `accepted` of 3."""
+    """A policy whose models were fed: target 10 ms + 0.1 ms per row, compiled (an eager step 5 ms more);
+    drafting `draft_step_seconds` per sequential head forward; the head's drafts accepted `accepted` of 3."""
     p = AdaptivePolicy(3, ngram=ngram)
-    p.decisions = 100  # past warm-up, not on an exploration step
+    p.decisions, p.graphs_seen = 100, True  # past warm-up, not on an exploration step
     for rows in range(1, 80):
-        p.target_cost.update([1.0, rows, 0.0], 0.010 + 0.0001 * rows)
-        p.target_cost.update([1.0, 1, rows * 4], 0.010 + 0.0001 + 0.00015 * rows * 4)
+        for eager in (0.0, 1.0):
+            p.target_cost.update([1.0, eager, rows, 0.0], 0.010 + 0.005 * eager + 0.0001 * rows)
+        p.target_cost.update([1.0, 0.0, 1, rows * 4], 0.010 + 0.0001 + 0.00015 * rows * 4)
     for batch in (1, 2, 4, 8):
         for k in range(4):
             p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
@@ -204,7 +207,7 @@ def test_what_an_arm_delivers_corrects_its_prediction():
     for _ in range(120):
         p.learn_draft(16, plan, 0.002)
         seconds = 0.0116
-        p.learn(Proposal([], None, decode_rows=16, target_seconds=seconds,
+        p.learn(Proposal([], None, decode_rows=16, target_seconds=seconds, graph=True,
                          tokens=round(0.5 * plan.raw_tokens_per_s * (seconds + 0.002))))
     assert p.correction("chain 3", 4) == pytest.approx(0.5, abs=0.05)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
@@ -212,12 +215,41 @@ def test_what_an_arm_delivers_corrects_its_prediction():
     assert p.correction("chain 1", 4) == p.correction("chain 3 ngram", 4) == 1.0
 
 
+def test_a_one_row_step_is_priced_from_its_own_record():
+    """One row runs another matmul kernel than two or more (tsengine/linear.py): here 10 ms, while the line
+    through 2..8-row steps starts at 15 ms. Plain decoding at batch 1 is priced at 10 ms, not 16."""
+    p = AdaptivePolicy(3)
+    p.graphs_seen = True
+    for _ in range(20):
+        for rows in range(2, 9):
+            p.target_cost.update([1.0, 0.0, rows, 0.0], 0.015 + 0.001 * rows)
+        p.one_row.observe(0.010)
+    assert p.predict(Arm(0), 1.0, 1, 0, 0, 1, head=False) == pytest.approx(100, rel=0.02)
+    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1, head=False) == pytest.approx(2 / 0.017, rel=0.02)
+
+
+def test_one_wild_prediction_does_not_pin_a_correction():
+    """Lines fitted from a handful of steps can promise a million tokens per second: one such step, then 50
+    steps that deliver what is predicted, leave the kind's correction near 1, not near 0."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    honest = plan.raw_tokens_per_s
+    for step in range(51):
+        plan.raw_tokens_per_s = 1e9 if step == 0 else honest
+        p.learn_draft(16, plan, 0.002)
+        p.learn(Proposal([], None, decode_rows=16, target_seconds=0.0116, graph=True,
+                         tokens=max(1, round(honest * 0.0136))))
+    assert p.correction("chain 3", 4) > 0.8
+
+
 def test_the_head_switches_off_where_it_cannot_pay_and_back_on():
-    """Drafting costs 5 target steps: after `switch_after` decisions the head's upkeep stops (and its plans
-    draft nothing from it); once drafting is cheap again it comes back."""
+    """Drafting costs 5 target steps: within 2·`switch_after` decisions (not at the first) the head's upkeep
+    stops (and its plans draft nothing from it); once drafting is cheap again it comes back."""
     p = trained_policy(draft_step_seconds=0.05)
-    for _ in range(p.switch_after):
+    for _ in range(p.switch_after // 2):
+        p.choose([None] * 4, [None] * 4)
         assert p.head_on
+    for _ in range(2 * p.switch_after):
         p.choose([None] * 4, [None] * 4)
     assert not p.head_on
     gap = PerRequest(3)
@@ -227,11 +259,48 @@ def test_the_head_switches_off_where_it_cannot_pay_and_back_on():
         for batch in (1, 2, 4, 8):
             for k in range(4):
                 p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + 0.0005 * k)
-    for _ in range(p.switch_after):
+    for _ in range(2 * p.switch_after):
         p.choose([None] * 4, [None] * 4)
     assert p.head_on
     plan = p.choose([gap, None, None, None], [None] * 4)
     assert plan.sources[0] == "plain" and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
+
+
+def test_the_head_switches_off_where_its_upkeep_buys_less_than_prompt_lookup():
+    """Each head forward costs 20% of a target step and its upkeep 10%; prompt lookup is always right and
+    costs nothing. A chain of the head's would beat plain decoding (the first rule's only question, so the
+    head stayed on), but every step drafts by lookup: the head goes off, and lookup runs without its upkeep."""
+    p = trained_policy(draft_step_seconds=0.002, accepted=3)
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 3)
+    on = p.choose([st], [[1, 2, 3]])
+    assert on.sources == ["ngram"] and p.candidates([st], [[1, 2, 3]], head=True)[1].sources == ["eagle3"]
+    for _ in range(2 * p.switch_after):
+        p.choose([st], [[1, 2, 3]])
+    assert not p.head_on
+    off = p.choose([st], [[1, 2, 3]])
+    assert off.sources == ["ngram"] and off.raw_tokens_per_s > 1.05 * on.raw_tokens_per_s  # no upkeep
+    for _ in range(3 * p.switch_after):  # it stays off while lookup is what pays
+        p.choose([st], [[1, 2, 3]])
+    assert not p.head_on
+
+
+def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
+    """Prompt lookup has a continuation for 1 of 4 requests: drafting for it alone makes a mixed step, which
+    runs eagerly (5 ms more here), for 0.6 tokens more: plain decoding. With a continuation for all 4 the
+    step is uniform (compiled) and lookup pays."""
+    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    p.head_on = False
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 1)
+    lookup = p._chain_plan(3, [st] * 4, [[1, 2, 3], None, None, None])
+    assert lookup.sources == ["ngram", "plain", "plain", "plain"]
+    plain = p.candidates([st] * 4, [[1, 2, 3], None, None, None])[0]
+    assert lookup.tokens_per_s < plain.tokens_per_s
+    assert p.choose([st] * 4, [[1, 2, 3], None, None, None]).arm == Arm(0)
+    assert p.choose([st] * 4, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
 
 
 def test_config_forms():

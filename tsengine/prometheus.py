@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tsengine import graphs
+
 
 class _EngineCollector:
     """Engine counters read at scrape time (ints written by the engine thread; a read is atomic)."""
@@ -44,6 +46,9 @@ class _EngineCollector:
                                       value=sched.prefix.queries)
             yield CounterMetricFamily("tsengine:prefix_cache_hits", "Prefix cache: prompt tokens found cached.",
                                       value=sched.prefix.hits)
+        yield CounterMetricFamily("tsengine:compiled_graphs", "Step graphs compiled (or loaded from torch's cache) "
+                                  "so far; each stalls its step for seconds (tsengine/graphs.py).",
+                                  value=graphs.compiles())
         yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=len(sched.running))
         yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=len(sched.waiting))
         yield GaugeMetricFamily("tsengine:kv_cache_usage_perc", "Fraction of KV blocks in use.",
@@ -66,8 +71,10 @@ def _policy_metrics(draft_len: int, policy):
         trees.add_metric([arm.name.split()[1]], mean.mean)
     yield trees
     cost = GaugeMetricFamily("tsengine:spec_decode_cost_model_seconds", "Fitted step-cost models (seconds per "
-                             "unit): the target's forward and the drafter's step.", labels=["part", "term"])
-    for part, model in (("target", policy.target_cost), ("draft", policy.draft_cost)):
+                             "unit): the target's forward, the head's extension and drafting, and prompt lookup with the "
+                             "decision.", labels=["part", "term"])
+    for part, model in (("target", policy.target_cost), ("draft", policy.draft_cost),
+                        ("overhead", policy.overhead_cost)):
         for term, value in zip(model.names, model.theta):
             cost.add_metric([part, term], value)
     yield cost

@@ -34,6 +34,7 @@ class Forward:
     draw_positions: torch.Tensor  # [R] the position each of those rows draws (its own position + 1)
     first_row: list[int]  # each run's first row in the flat batch
     windows: Windows | None  # the step's verify windows, or None
+    graph: bool = False  # it ran through a compiled graph (not eagerly)
 
 
 class ModelRunner:
@@ -107,7 +108,7 @@ class ModelRunner:
         else:
             hidden, aux = self.model(input_ids, ctx, self.kv)
             logits = self.model.logits(hidden[rows])
-        forward = Forward(hidden, aux, logits, ctx.positions[rows] + 1, first_row, windows)
+        forward = Forward(hidden, aux, logits, ctx.positions[rows] + 1, first_row, windows, shape is not None)
         if any(s.seq.capture is not None for s in batch):
             write_captures(self.model, batch, forward, drawing)
         return forward

@@ -17,21 +17,25 @@ best source is expected to gain under `MIN_GAIN` tokens. Choosing the subset tha
 tokens per second (tried first) lost 10% at 16 requests: requests that start and stop together finish
 when the slowest does, so speeding up some of them shortens nothing while every step pays their rows.
 
-The costs are lines fitted by recursive least squares (`LinearCost`): the target's decode step as base +
-per chain row + per tree row (bitmask attention costs more), the drafter's as base + per
-extended row + per sequential head forward + per drafted row. One model for every arm, so a length the
+The costs are lines fitted by recursive least squares (`LinearCost`): the target's step as base + eager
+(a step mixing decodes and windows runs without a graph) + per chain row + per tree row (bitmask
+attention costs more), with the one-row step (another matmul kernel) as a running mean of its own; the
+head's as base + per extended row + per sequential head forward + per drafted row. One model for every arm, so a length the
 policy has rarely chosen is still priced from what every other step taught it.
 
 The head's own upkeep: it extends its one layer over every committed row, so that drafting can resume at
-any step; that is ~4% of a target step, paid by plain steps too. When a full-batch chain of 1 has been
-predicted below plain for `switch_after` (8) decisions in a row, the head is switched off: no extension,
-prompt lookup and plain decoding only. (A slower switch, below 0.95× for 16 decisions, kept the head on
-at 16 requests, where the chain of 1 then ran 86% of the steps and lost 8% to plain; this one turned it
-off at 4 requests, where that chain is best by 4%: docs/benchmarks.md.) Requests that miss positions
-then cannot draft from the head until a recompute rebuilds their draft cache (`PerRequest.head_gap`);
-requests admitted after the head is back on can. It comes back on after `switch_after` decisions
-predicted at `MARGIN` + 0.05 or more, or for a trial every `reprobe` (256) decisions off (its estimates do
-not move while off).
+any step; eager, that is ~2.5 ms a step (~10% of a compiled batch-1 step), paid by plain steps too. So
+every decision also asks whether the head pays at this load: the best step with the head (its upkeep priced
+in) against the best without it (plain decoding or prompt lookup, no upkeep), both for requests like
+these, gaps in their caches ignored. When the running mean of that ratio (over ~16 decisions) drops below
+1, the head is switched off: no extension, prompt lookup and plain decoding only; at `MARGIN`, it comes back.
+The head's line (`draft_cost`) learns only while it runs, so its base is what a head-free step saves;
+prompt lookup and the decision itself have their own (`overhead_cost`). (The first rule compared only a
+full-batch chain of 1 with plain decoding, both paying the upkeep: at 16 requests the policy decoded
+plainly on 91 of 96 steps and kept paying it, 7.4% below plain: docs/benchmarks.md.) Requests that miss
+positions cannot draft from the head until a recompute rebuilds their draft cache (`PerRequest.head_gap`);
+requests admitted after it is back on can. Its acceptance estimates do not move while off, so it is also
+tried again every `reprobe` (256) decisions.
 
 Speculation must be predicted `MARGIN` (1.05×) faster than plain decoding to be chosen. Below that the
 gain is within the models' error, and a batch that speculates finishes raggedly: requests accept at
@@ -64,11 +68,12 @@ from dataclasses import dataclass
 
 from tsengine import graphs
 from tsengine.spec.drafts import Proposal
-from tsengine.spec.estimates import Acceptance, LinearCost, MeanTokens, PerRequest
+from tsengine.spec.estimates import Acceptance, LinearCost, MeanTokens, PerRequest, RunningMean
 
 SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
+JUDGE_AFTER = 64  # verify windows drafted by the head before its upkeep may switch it off
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
                  explore_every: int = 32, switch_after: int = 8, seed: int = 0):
         self.steps, self.ngram, self.explore_every, self.switch_after = steps, ngram, explore_every, switch_after
-        self.head_on, self._streak, self._off_for, self.reprobe = True, 0, 0, 256
+        self.head_on, self.head_advantage, self._off_for, self.reprobe = True, MARGIN, 0, 256
         trees = [tree] if tree else []
         if tree and tree[1] > SMALL_TREE[1] and tree[0] >= SMALL_TREE[0]:
             trees.append(SMALL_TREE)
@@ -163,8 +168,18 @@ class AdaptivePolicy:
         self.eagle = Acceptance(steps)
         self.lookup = Acceptance(steps, prior_rate=0.3)  # prompt lookup, over requests that had a match
         self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
-        self.target_cost = LinearCost(("base", "per_chain_row", "per_tree_row"))
+        # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
+        # eagerly: tsengine/graphs.py), and the one-row step apart: it runs MKL's sgemv, the others oneDNN's
+        # packed kernel with a ~5 ms higher floor (tsengine/linear.py). An indicator for it in the line was
+        # tried: at batch 1 with the head on, one-row steps are rare, and the line's intercept drifted
+        # until plain decoding was predicted 27% slower than it ran.
+        self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
+        self.one_row = RunningMean()
+        self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
+        # the head's time (extension + drafting), learned only while it is on, so its base is the upkeep
+        # a head-free step saves; prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
+        self.overhead_cost = LinearCost(("base", "per_request"))
         self.decisions, self.last = 0, Plan(Arm(), [])
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
         self.correction = Correction()
@@ -191,18 +206,28 @@ class AdaptivePolicy:
             stats(c.seq, self.steps).observe(d.source, drafted, accepted)
         if proposal.target_seconds > 0 and proposal.prefill_rows == 0:  # decode steps only: the choice never
             # changes a step's prefill work, and long prefill rows would pull the decode line off its range
-            self.target_cost.update([1.0, proposal.decode_rows - tree_rows, tree_rows], proposal.target_seconds)
+            self.graphs_seen |= proposal.graph
+            if proposal.decode_rows == 1:
+                self.one_row.observe(proposal.target_seconds)
+            else:
+                self.target_cost.update([1.0, float(not proposal.graph), proposal.decode_rows - tree_rows, tree_rows],
+                                        proposal.target_seconds)
             last = self.last
             if last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None:
-                realized = proposal.tokens / (proposal.target_seconds + self.last_draft_seconds)
                 seconds = proposal.target_seconds + self.last_draft_seconds
-                self.correction.observe(last.kind, len(last.sources), proposal.tokens, last.raw_tokens_per_s * seconds)
+                # clamped: lines fitted from a handful of steps can promise a million tokens per second, and
+                # one such step would hold a kind's ratio near 0 for a thousand steps
+                promised = min(max(last.raw_tokens_per_s * seconds, proposal.tokens / 4), proposal.tokens * 4)
+                self.correction.observe(last.kind, len(last.sources), proposal.tokens, promised)
 
-    def learn_draft(self, extended: int, plan: Plan, seconds: float | None) -> None:
-        """`seconds` None: the drafter compiled a graph in this step, which says nothing about its cost."""
-        if seconds is not None:
-            self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], seconds)
-        self.last, self.last_draft_seconds = plan, seconds
+    def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None, overhead_seconds: float = 0.0) -> None:
+        """`head_seconds`: the head's extension and drafting (None: it compiled a graph in this step, which
+        says nothing about its cost; 0 with the head off); `overhead_seconds`: prompt lookup's and the choice's."""
+        if head_seconds is not None and self.head_on:
+            self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], head_seconds)
+        self.overhead_cost.update([1.0, len(plan.sources)], overhead_seconds)
+        self.last = plan
+        self.last_draft_seconds = None if head_seconds is None else head_seconds + overhead_seconds
 
     # ---- deciding ---------------------------------------------------------------------------------------
     def _draft_work(self, arm: Arm, heads: int) -> tuple[int, int]:
@@ -213,13 +238,23 @@ class AdaptivePolicy:
             return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
         return arm.steps, heads * arm.steps
 
-    def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int) -> float:
-        seconds = (self.target_cost.predict([1.0, chain_rows, tree_rows])
-                   + self.draft_cost.predict([1.0, tokens, *self._draft_work(arm, heads)]))
+    def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
+                head: bool | None = None, mixed: bool = False) -> float:
+        """Tokens per second of a step of `batch` requests, `mixed` if some decode plainly while others
+        verify; `head` (default: whether it is on) adds the head's upkeep, its extension over the committed
+        rows."""
+        eager = mixed or not self.graphs_seen
+        if chain_rows + tree_rows == 1 and self.one_row.value is not None:
+            seconds = self.one_row.value
+        else:
+            seconds = self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
+        seconds += self.overhead_cost.predict([1.0, batch])
+        if self.head_on if head is None else head:
+            seconds += self.draft_cost.predict([1.0, tokens, *self._draft_work(arm, heads)])
         return tokens / max(seconds, 1e-9)
 
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
-              found: list[list[int] | None] | None = None) -> float:
+              found: list[list[int] | None] | None = None, head: bool | None = None) -> float:
         """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism)."""
         tokens, chain_rows, tree_rows = 0.0, 0, 0
         for j, (source, st) in enumerate(zip(sources, stats)):
@@ -232,19 +267,23 @@ class AdaptivePolicy:
                 k = min(arm.steps, len(found[j])) if source == "ngram" and found and found[j] else arm.steps
                 tokens += st.tokens(source, k, self.eagle if source == "eagle3" else self.lookup)
                 chain_rows += arm.steps + 1
-        return self.predict(arm, tokens, chain_rows, tree_rows, sources.count("eagle3"))
+        plain = sources.count("plain")
+        return self.predict(arm, tokens, chain_rows, tree_rows, sources.count("eagle3"), len(sources), head,
+                            mixed=0 < plain < len(sources))
 
     def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None],
-                    lookup_only: bool = False) -> Plan | None:
+                    lookup_only: bool = False, head: bool | None = None) -> Plan | None:
         """Chain length k for every request that has a source worth drafting from (its best by expected
         tokens: the head, or prompt lookup where its tokens offer a continuation); None if none has.
         `lookup_only`: prompt lookup or nothing. Per request the head may commit more, but one request on
-        the head makes the step pay k sequential head forwards, which a lookup-only step does not."""
+        the head makes the step pay k sequential head forwards, which a lookup-only step does not.
+        `head`: see `candidates`."""
+        on = self.head_on if head is None else head
         sources, tokens, heads = [], float(len(stats)), 0
         for st, f in zip(stats, found):
             st = st or self._untried
             options = []
-            if self.head_on and not st.head_gap and not lookup_only:
+            if on and not lookup_only and not (head is None and st.head_gap):
                 options.append((st.tokens("eagle3", k, self.eagle), "eagle3"))
             if f is not None:  # drafts past the continuation repeat its last token: count none of them
                 options.append((st.tokens("ngram", min(k, len(f)), self.lookup, bonus=0.1), "ngram"))
@@ -258,35 +297,53 @@ class AdaptivePolicy:
         if not drafting:
             return None
         plan = Plan(Arm(k), sources)
-        plan.tokens_per_s = self.predict(Arm(k), tokens, len(stats) + drafting * k, 0, heads) * self.correction(
-            plan.kind, len(stats))
+        plan.tokens_per_s = self.predict(Arm(k), tokens, len(stats) + drafting * k, 0, heads, len(stats), on,
+                                         mixed=drafting < len(stats)) * self.correction(plan.kind, len(stats))
         return plan
 
-    def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> list[Plan]:
+    def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None],
+                   head: bool | None = None) -> list[Plan]:
         """Plain decoding first, then the best plan of each chain length and each tree (tokens per second
-        predicted with optimism for barely tried sources, and corrected by each arm's record)."""
-        batch = len(stats)
-        plans = [Plan(Arm(0), ["plain"] * batch, self.predict(Arm(0), batch, batch, 0, 0) * self.correction("plain", batch))]
+        predicted with optimism for barely tried sources, and corrected by each arm's record).
+        `head` None: as things are; True/False: as if the head were on/off for requests like these (their
+        gaps in the head's cache ignored: the switch asks about the load, not about these caches)."""
+        batch, on = len(stats), self.head_on if head is None else head
+        plain = self.predict(Arm(0), batch, batch, 0, 0, batch, on) * self.correction("plain", batch)
+        plans = [Plan(Arm(0), ["plain"] * batch, plain)]
         chains = [a.steps for a in self.arms if a.steps and not a.is_tree]
-        plans += filter(None, (self._chain_plan(k, stats, found) for k in chains))
-        if self.head_on and any(f is not None for f in found):
-            plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True) for k in chains))
-        heads = ["eagle3" if self.head_on and not (st and st.head_gap) else "plain" for st in stats]
+        plans += filter(None, (self._chain_plan(k, stats, found, head=head) for k in chains))
+        if on and any(f is not None for f in found):
+            plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True, head=head) for k in chains))
+        heads = ["eagle3" if on and not (head is None and st and st.head_gap) else "plain" for st in stats]
         if "eagle3" in heads:
-            plans += [Plan(a, heads, self.price(a, heads, stats) * self.correction(a.name, batch)) for a in self.tree_tokens]
+            plans += [Plan(a, heads, self.price(a, heads, stats, head=head) * self.correction(a.name, batch))
+                      for a in self.tree_tokens]
         return plans
 
-    def _switch_head(self, batch: int, plain_tps: float) -> None:
-        """Hysteresis on whether the head's upkeep can pay at this load (see the module docstring)."""
-        chain = self.predict(Arm(1), batch * self.eagle.tokens(1), 2 * batch, 0, batch) * self.correction("chain 1", batch)
-        ratio = chain / plain_tps
-        pays = ratio >= MARGIN + 0.05 if not self.head_on else ratio >= 1.0
-        self._streak = 0 if pays == self.head_on else self._streak + 1
+    @staticmethod
+    def _best(plans: list[Plan]) -> Plan:
+        """What the policy runs of these (exploration aside): the fastest, if `MARGIN` faster than plain."""
+        best = max(plans, key=lambda p: p.tokens_per_s)
+        return best if best.tokens_per_s >= MARGIN * plans[0].tokens_per_s else plans[0]
+
+    def _switch_head(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> None:
+        """Hysteresis on whether the head's upkeep pays at this load: the best step with the head (its
+        extension priced in) against the best without it (plain or prompt lookup, no upkeep), as a running
+        mean of their ratio over ~2·`switch_after` decisions. A mean, not a streak: the ratio moves with
+        each step's lookup matches and each request's record, and a head switched on again cannot draft for
+        requests that ran while it was off, so flapping costs its upkeep for nothing."""
+        if self.head_on and self.eagle.windows < JUDGE_AFTER:  # its acceptance is not known yet
+            return
+        on = self._best(self.candidates(stats, found, head=True)).tokens_per_s
+        off = self._best(self.candidates(stats, found, head=False)).tokens_per_s
+        self.head_advantage += (on / max(off, 1e-9) - self.head_advantage) / (2 * self.switch_after)
         self._off_for = 0 if self.head_on else self._off_for + 1
         # off, the head's estimates stop moving, so it could stay off for good: every `reprobe` decisions
         # it is tried again (new requests get its upkeep; it goes off again if it still does not pay)
-        if self._streak >= self.switch_after or self._off_for >= self.reprobe:
-            self.head_on, self._streak, self._off_for = not self.head_on, 0, 0
+        if self._off_for >= self.reprobe:
+            self.head_on, self.head_advantage, self._off_for = True, MARGIN, 0
+        elif self.head_advantage < 1.0 if self.head_on else self.head_advantage >= MARGIN:
+            self.head_on, self._off_for = not self.head_on, 0
 
     def choose(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
         """The plan for the next step of these drafting requests (their stats, their n-gram continuation
@@ -301,11 +358,10 @@ class AdaptivePolicy:
         if self.decisions <= len(self.arms):  # warm-up: every arm once, so every cost term is seen
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch)
-        plans = self.candidates(stats, found if self.ngram else [None] * batch)
-        self._switch_head(batch, plans[0].tokens_per_s)
-        best = max(plans, key=lambda p: p.tokens_per_s)
-        if best.tokens_per_s < MARGIN * plans[0].tokens_per_s:
-            best = plans[0]
+        found = found if self.ngram else [None] * batch
+        self._switch_head(stats, found)
+        plans = self.candidates(stats, found)
+        best = self._best(plans)
         if self.decisions % self.explore_every:
             return best
         near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]
@@ -344,9 +400,11 @@ class AdaptiveProposer:
             if not head or c.start == c.seq.draft_cached:  # (position 0, or a cached prefix) rebuilds them
                 stats(c.seq, self.policy.steps).head_gap = not head
         need = proposal.drafting
-        t0, compiled_before = time.perf_counter(), graphs.compiles()
+        t0 = time.perf_counter()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
         plan = policy.choose([seq.spec_stats for seq in need], found) if need else Plan(Arm(0), [])
+        head = policy.head_on  # the choice may have switched it (this step's runs were marked by the old state)
+        t1, compiled_before = time.perf_counter(), graphs.compiles()
         arm, eagle, drafts = plan.arm, plan.eagle, []
         if head and arm.is_tree:
             drafts = self.inner.propose(proposal, tree=arm.shape, only=eagle)
@@ -362,7 +420,7 @@ class AdaptiveProposer:
                 first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
             extended = sum(len(c.rows) for c in proposal.runs) if head else 0
             fresh = graphs.compiles() != compiled_before
-            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t0)
+            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1, t1 - t0)
             self.draft_len = arm.steps
             policy.chosen[arm.name] += 1
             policy.drafted_by.update(plan.sources)

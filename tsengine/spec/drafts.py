@@ -57,6 +57,7 @@ class Proposal:
     prefill_rows: int = 0
     target_seconds: float = 0.0
     tokens: int = 0  # tokens the step committed, finished requests' included (what speculation buys)
+    graph: bool = False  # the forward ran through a compiled graph (a mixed step runs eagerly: graphs.py)
 
     @property
     def drafting(self) -> list["Sequence"]:

@@ -10,6 +10,7 @@
     PerRequest   the same counts for one request, read shrunk towards the global rates: a request is
                  known by its own few steps only as far as they outweigh `shrink` steps of the average.
     MeanTokens   the mean tokens a tree window committed (a tree's acceptance has no per-position form).
+    RunningMean  a decayed mean (the one-row step's seconds, which no line through the others predicts).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class Acceptance:
 
     def __init__(self, steps: int, prior: float = 2.0, prior_rate: float = 0.5, cap: float = 2000.0):
         self.hit, self.tried = [prior * prior_rate] * steps, [prior] * steps
-        self.cap = cap
+        self.cap, self.windows = cap, 0
 
     def observe(self, drafted: int, accepted: int) -> None:
+        self.windows += 1
         for i in range(min(drafted, len(self.tried))):
             self.tried[i] += 1
             self.hit[i] += i < accepted
@@ -104,3 +106,15 @@ class MeanTokens:
     @property
     def mean(self) -> float:
         return self.total / self.count
+
+
+class RunningMean:
+    """A decayed mean (weight `weight` on the newest sample; 0 samples: None)."""
+
+    def __init__(self, weight: float = 0.05):
+        self.weight, self.value, self.samples = weight, None, 0
+
+    def observe(self, x: float) -> None:
+        self.samples += 1
+        w = max(self.weight, 1 / self.samples)  # a plain mean until 1/weight samples
+        self.value = x if self.value is None else self.value + w * (x - self.value)
