@@ -14,7 +14,7 @@ from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.prometheus import PrometheusMetrics
 from tsengine.sampling import SamplingParams
-from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan
+from tsengine.spec.adaptive import JUDGE_AFTER, AdaptivePolicy, Arm, Plan
 from tsengine.spec.drafts import Proposal
 from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
 
@@ -301,6 +301,26 @@ def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
     assert lookup.tokens_per_s < plain.tokens_per_s
     assert p.choose([st] * 4, [[1, 2, 3], None, None, None]).arm == Arm(0)
     assert p.choose([st] * 4, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
+
+
+def test_the_head_on_again_drafts_before_it_is_judged():
+    """Off, the head is tried again every `reprobe` decisions; it stays on (its upkeep paid) until it has
+    drafted JUDGE_AFTER windows for requests admitted since, then goes off again if it still does not pay."""
+    p = trained_policy(draft_step_seconds=0.05)
+    for _ in range(3 * p.switch_after):
+        p.choose([None] * 4, [None] * 4)
+    assert not p.head_on
+    p._off_for = p.reprobe - 1
+    p.choose([None] * 4, [None] * 4)
+    assert p.head_on
+    for _ in range(200):  # no windows drafted yet: it is not judged
+        p.choose([None] * 4, [None] * 4)
+    assert p.head_on
+    for _ in range(JUDGE_AFTER):
+        p.eagle.observe(3, 3)
+    for _ in range(3 * p.switch_after):
+        p.choose([None] * 4, [None] * 4)
+    assert not p.head_on
 
 
 def test_config_forms():

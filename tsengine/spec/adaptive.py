@@ -35,7 +35,11 @@ full-batch chain of 1 with plain decoding, both paying the upkeep: at 16 request
 plainly on 91 of 96 steps and kept paying it, 7.4% below plain: docs/benchmarks.md.) Requests that miss
 positions cannot draft from the head until a recompute rebuilds their draft cache (`PerRequest.head_gap`);
 requests admitted after it is back on can. Its acceptance estimates do not move while off, so it is also
-tried again every `reprobe` (256) decisions.
+tried again every `reprobe` (256) decisions; on again, it is not judged before it has drafted
+`JUDGE_AFTER` (64) windows (the first rule judged it within 8 decisions, before any request that could
+use it had arrived, and at 4 requests, where its chain of 1 was the best fixed configuration, it stayed
+off for good: docs/benchmarks.md). Corrections keep the two regimes apart ("plain" and "plain
+headless"): a step with the head on pays its upkeep.
 
 Speculation must be predicted `MARGIN` (1.05×) faster than plain decoding to be chosen. Below that the
 gain is within the models' error, and a batch that speculates finishes raggedly: requests accept at
@@ -161,6 +165,7 @@ class AdaptivePolicy:
                  explore_every: int = 32, switch_after: int = 8, seed: int = 0):
         self.steps, self.ngram, self.explore_every, self.switch_after = steps, ngram, explore_every, switch_after
         self.head_on, self.head_advantage, self._off_for, self.reprobe = True, MARGIN, 0, 256
+        self._judge_from = JUDGE_AFTER  # the head's windows before which it is not switched off
         trees = [tree] if tree else []
         if tree and tree[1] > SMALL_TREE[1] and tree[0] >= SMALL_TREE[0]:
             trees.append(SMALL_TREE)
@@ -183,7 +188,7 @@ class AdaptivePolicy:
         self.decisions, self.last = 0, Plan(Arm(), [])
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
         self.correction = Correction()
-        self.last_draft_seconds = 0.0
+        self.last_draft_seconds, self.last_head_on = 0.0, True
         self.chosen: Counter[str] = Counter()  # steps per arm name
         self.drafted_by: Counter[str] = Counter()  # requests per source
         self._rng = random.Random(seed)
@@ -218,7 +223,8 @@ class AdaptivePolicy:
                 # clamped: lines fitted from a handful of steps can promise a million tokens per second, and
                 # one such step would hold a kind's ratio near 0 for a thousand steps
                 promised = min(max(last.raw_tokens_per_s * seconds, proposal.tokens / 4), proposal.tokens * 4)
-                self.correction.observe(last.kind, len(last.sources), proposal.tokens, promised)
+                self.correction.observe(self._kind(last.kind, self.last_head_on), len(last.sources), proposal.tokens,
+                                        promised)
 
     def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None, overhead_seconds: float = 0.0) -> None:
         """`head_seconds`: the head's extension and drafting (None: it compiled a graph in this step, which
@@ -226,7 +232,7 @@ class AdaptivePolicy:
         if head_seconds is not None and self.head_on:
             self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], head_seconds)
         self.overhead_cost.update([1.0, len(plan.sources)], overhead_seconds)
-        self.last = plan
+        self.last, self.last_head_on = plan, self.head_on
         self.last_draft_seconds = None if head_seconds is None else head_seconds + overhead_seconds
 
     # ---- deciding ---------------------------------------------------------------------------------------
@@ -298,7 +304,7 @@ class AdaptivePolicy:
             return None
         plan = Plan(Arm(k), sources)
         plan.tokens_per_s = self.predict(Arm(k), tokens, len(stats) + drafting * k, 0, heads, len(stats), on,
-                                         mixed=drafting < len(stats)) * self.correction(plan.kind, len(stats))
+                                         mixed=drafting < len(stats)) * self._corrected(plan.kind, len(stats), on)
         return plan
 
     def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None],
@@ -308,7 +314,7 @@ class AdaptivePolicy:
         `head` None: as things are; True/False: as if the head were on/off for requests like these (their
         gaps in the head's cache ignored: the switch asks about the load, not about these caches)."""
         batch, on = len(stats), self.head_on if head is None else head
-        plain = self.predict(Arm(0), batch, batch, 0, 0, batch, on) * self.correction("plain", batch)
+        plain = self.predict(Arm(0), batch, batch, 0, 0, batch, on) * self._corrected("plain", batch, on)
         plans = [Plan(Arm(0), ["plain"] * batch, plain)]
         chains = [a.steps for a in self.arms if a.steps and not a.is_tree]
         plans += filter(None, (self._chain_plan(k, stats, found, head=head) for k in chains))
@@ -316,9 +322,17 @@ class AdaptivePolicy:
             plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True, head=head) for k in chains))
         heads = ["eagle3" if on and not (head is None and st and st.head_gap) else "plain" for st in stats]
         if "eagle3" in heads:
-            plans += [Plan(a, heads, self.price(a, heads, stats, head=head) * self.correction(a.name, batch))
+            plans += [Plan(a, heads, self.price(a, heads, stats, head=head) * self._corrected(a.name, batch, on))
                       for a in self.tree_tokens]
         return plans
+
+    @staticmethod
+    def _kind(kind: str, head: bool) -> str:
+        """A plan's kind as corrections know it: with the head off, a step pays no upkeep and delivers apart."""
+        return kind if head else kind + " headless"
+
+    def _corrected(self, kind: str, batch: int, head: bool) -> float:
+        return self.correction(self._kind(kind, head), batch)
 
     @staticmethod
     def _best(plans: list[Plan]) -> Plan:
@@ -332,7 +346,7 @@ class AdaptivePolicy:
         mean of their ratio over ~2·`switch_after` decisions. A mean, not a streak: the ratio moves with
         each step's lookup matches and each request's record, and a head switched on again cannot draft for
         requests that ran while it was off, so flapping costs its upkeep for nothing."""
-        if self.head_on and self.eagle.windows < JUDGE_AFTER:  # its acceptance is not known yet
+        if self.head_on and self.eagle.windows < self._judge_from:  # (again) on: it must draft before it is judged
             return
         on = self._best(self.candidates(stats, found, head=True)).tokens_per_s
         off = self._best(self.candidates(stats, found, head=False)).tokens_per_s
@@ -341,9 +355,11 @@ class AdaptivePolicy:
         # off, the head's estimates stop moving, so it could stay off for good: every `reprobe` decisions
         # it is tried again (new requests get its upkeep; it goes off again if it still does not pay)
         if self._off_for >= self.reprobe:
-            self.head_on, self.head_advantage, self._off_for = True, MARGIN, 0
-        elif self.head_advantage < 1.0 if self.head_on else self.head_advantage >= MARGIN:
+            self.head_advantage = MARGIN
+        if self.head_advantage < 1.0 if self.head_on else self.head_advantage >= MARGIN:
             self.head_on, self._off_for = not self.head_on, 0
+            # back on, it learns only from requests admitted since: it gets JUDGE_AFTER windows of them
+            self._judge_from = self.eagle.windows + JUDGE_AFTER
 
     def choose(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
         """The plan for the next step of these drafting requests (their stats, their n-gram continuation
