@@ -134,10 +134,14 @@ def stop_servers(servers: list[dict]) -> None:
             s["proc"].wait()
 
 
+def metrics(base: str) -> list[str]:
+    return httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
+
+
 def policy_counts(base: str) -> dict[str, float]:
     """An adaptive server's cumulative choices from /metrics (steps per choice, request-steps per source)."""
     out = {}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+    for line in metrics(base):
         if line.startswith(("tsengine:spec_decode_policy_steps_total{", "tsengine:spec_decode_policy_requests_total{")):
             key, value = line.rsplit(" ", 1)
             out[key.split("{", 1)[1].rstrip("}").replace('"', "")] = float(value)
@@ -146,7 +150,7 @@ def policy_counts(base: str) -> dict[str, float]:
 
 def compiled_graphs(base: str) -> float:
     """How many step graphs the server has compiled so far (/metrics)."""
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+    for line in metrics(base):
         if line.startswith("tsengine:compiled_graphs_total "):
             return float(line.split()[1])
     return 0.0
