@@ -14,8 +14,10 @@ from tsengine.errors import UserError
 from tsengine.llm import LLM
 from tsengine.prometheus import PrometheusMetrics
 from tsengine.sampling import SamplingParams
-from tsengine.spec.adaptive import JUDGE_AFTER, AdaptivePolicy, Arm, Plan
-from tsengine.spec.drafts import Proposal
+from tsengine.sequence import Sequence
+from tsengine.spec.adaptive import JUDGE_AFTER, MARGIN, USABLE_FOR, AdaptivePolicy, Arm, Plan, stats
+from tsengine.spec.adaptive_proposer import AdaptiveProposer, known_remaining
+from tsengine.spec.drafts import Committed, Proposal
 from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -36,9 +38,12 @@ def random_plans(policy: AdaptivePolicy, rng: random.Random):
     """A `choose` that ignores every estimate: a random arm, and per request a random source among those
     it has (prompt lookup only where its tokens offer a continuation)."""
 
-    def choose(stats, found):
-        if rng.random() < 0.1:  # the head's upkeep switched off and on (prompt lookup and plain meanwhile)
-            policy.head_on = not policy.head_on
+    calls = [0]
+
+    def choose(stats, found, remaining=None, queued=0):
+        calls[0] += 1  # the head's upkeep switched off and on (prompt lookup and plain meanwhile), from the
+        if calls[0] > 12 and rng.random() < 0.2:  # 12th step: off, it skips rows, and never drafts for
+            policy.head_on = not policy.head_on  # those requests again
         arm = rng.choice(policy.arms)
         if arm.is_tree or not arm.steps:
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * len(found))
@@ -73,7 +78,7 @@ def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     assert switched[0] > 1, switched
     assert policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0, policy.drafted_by
     stats = llm.engine.stats
-    assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0
+    assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0, (stats.num_drafts, stats.drafted_per_pos, policy.drafted_by, switched)
     assert bool(preempted) == bool(blocks), len(preempted)
 
 
@@ -183,6 +188,26 @@ def test_each_request_gets_the_source_that_pays_for_it():
         bad.observe("ngram", 3, 0)
     plan = p.choose([good, bad, None, None], [[1, 2, 3], [4, 5, 6], None, None])
     assert plan.arm.steps >= 2 and plan.sources == ["ngram", "plain", "plain", "plain"], plan
+
+
+def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_rows():
+    """Lookup offers a sure continuation to 2 of 8 requests. With requests queued, a request done sooner frees
+    its slot: they draft. With none queued and all 8 equally long, the batch ends no sooner (the other six
+    are as long): they decode plainly, unless one may stop at EOS (then any may be the last). Once those
+    two are the longest, each token they gain ends the batch a step sooner: they draft again."""
+    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    good = PerRequest(3)
+    for _ in range(200):
+        good.observe("ngram", 3, 3)
+    stats, found = [good, good] + [None] * 6, [[1, 2, 3]] * 2 + [None] * 6
+    assert p.choose(stats, found, [50] * 8, queued=2).sources == ["ngram"] * 2 + ["plain"] * 6
+    assert p.choose(stats, found, [50] * 8).arm == Arm(0)
+    assert p.choose(stats, found, [50] * 7 + [None]).sources[:2] == ["ngram"] * 2  # one may stop at EOS: any
+    assert p.choose(stats, found, [50, 50] + [30] * 6).sources == ["ngram"] * 2 + ["plain"] * 6
+    one = p.choose([good], [[1, 2, 3]], [50])  # one request: every token it gains is the batch's
+    assert one.sources == ["ngram"] and p._worth_ratio([2.0]) == 1.0
+    ends = [Sequence(str(i), [1, 2], SamplingParams(max_tokens=9, ignore_eos=eos), 0) for i, eos in enumerate((1, 0))]
+    assert [known_remaining(seq) for seq in ends] == [9, None]
 
 
 def test_lookup_alone_wins_where_the_head_accepts_more_but_costs_its_forwards():
@@ -305,7 +330,8 @@ def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
 
 def test_the_head_on_again_drafts_before_it_is_judged():
     """Off, the head is tried again every `reprobe` decisions; it stays on (its upkeep paid) until it has
-    drafted JUDGE_AFTER windows for requests admitted since, then goes off again if it still does not pay."""
+    drafted JUDGE_AFTER windows, or has had USABLE_FOR decisions in which some request could draft from it,
+    then goes off again if it still does not pay. Requests it skipped (`head_gap`) do not count."""
     p = trained_policy(draft_step_seconds=0.05)
     for _ in range(3 * p.switch_after):
         p.choose([None] * 4, [None] * 4)
@@ -313,13 +339,23 @@ def test_the_head_on_again_drafts_before_it_is_judged():
     p._off_for = p.reprobe - 1
     p.choose([None] * 4, [None] * 4)
     assert p.head_on
-    for _ in range(200):  # no windows drafted yet: it is not judged
-        p.choose([None] * 4, [None] * 4)
+    skipped = PerRequest(3)
+    skipped.head_gap = True
+    for _ in range(200):  # only requests it cannot draft for: it is not judged
+        p.choose([skipped] * 4, [None] * 4)
     assert p.head_on
+    for _ in range(USABLE_FOR - 1):  # new requests, which the policy decodes plainly: judged after USABLE_FOR
+        p.choose([None] * 4, [None] * 4)
+    assert p.head_on and p.head_advantage == MARGIN
+    for _ in range(3 * p.switch_after):
+        p.choose([None] * 4, [None] * 4)
+    assert not p.head_on
+    p._off_for = p.reprobe - 1  # and again, now drafting: judged after JUDGE_AFTER windows
+    p.choose([skipped] * 4, [None] * 4)
     for _ in range(JUDGE_AFTER):
         p.eagle.observe(3, 3)
     for _ in range(3 * p.switch_after):
-        p.choose([None] * 4, [None] * 4)
+        p.choose([skipped] * 4, [None] * 4)
     assert not p.head_on
 
 
@@ -333,3 +369,26 @@ def test_config_forms():
     assert [a.name for a in AdaptivePolicy(tree.num_steps, (5, 8, 32)).arms][-2:] == ["tree 5x8x32", "tree 3x2x6"]
     with pytest.raises(UserError, match="adaptive speculation chooses among"):
         SpeculativeConfig.resolve(algorithm="NGRAM", adaptive=True)
+
+
+def test_the_head_extends_only_over_requests_it_can_draft_for():
+    """A request whose positions the head skipped while it was off never drafts from it again (its draft
+    cache has a hole): the head's upkeep, its extension, is not spent on that request's rows."""
+
+    class Head:
+        def propose(self, proposal, only=None, **shape):
+            self.extended = [c.seq.request_id for c in proposal.runs]
+            return [None] * len(only)
+
+    class NoLookup:
+        def lookup(self, seq):
+            return None
+
+    head = Head()
+    proposer = AdaptiveProposer(head, NoLookup(), 3)
+    skipped, fresh = (Sequence(r, [1] * 10, SamplingParams(max_tokens=8), 0) for r in ("skipped", "fresh"))
+    skipped.num_cached, skipped.draft_cached = 9, 4
+    stats(skipped, 3).head_gap = True
+    runs = [Committed(skipped, 8, [0], True), Committed(fresh, 0, list(range(1, 10)), True)]
+    proposer.propose(Proposal(runs, None, decode_rows=1, prefill_rows=9))
+    assert head.extended == ["fresh"] and proposer.policy.head_on

@@ -149,7 +149,9 @@ class Engine:
         tokens = sum(len(o.new_tokens) for o in outputs)
         seconds = t1 - t0 if graphs.compiles() == compiled_before else 0.0  # a compile is no step's cost
         try:
-            outputs += self._propose(Proposal(committed, forward.aux, decode, prefill, seconds, tokens, forward.graph), solo)
+            proposal = Proposal(committed, forward.aux, decode, prefill, seconds, tokens, forward.graph,
+                                len(self.scheduler.waiting))
+            outputs += self._propose(proposal, solo)
         finally:
             for seq, reason in self.finishing:
                 if seq.status is not Status.FINISHED:

@@ -23,7 +23,7 @@ def build_proposer(spec, runner) -> Proposer:
 
         eagle.graphs = DraftGraphs(eagle, runner.compiled.contexts)
     if spec.adaptive:  # NGRAM's drafts carry no q: the rejection rule cannot verify them
-        from tsengine.spec.adaptive import AdaptiveProposer
+        from tsengine.spec.adaptive_proposer import AdaptiveProposer
         from tsengine.spec.ngram import NgramProposer
 
         ngram = NgramProposer(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)

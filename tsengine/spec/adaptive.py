@@ -1,5 +1,6 @@
 """Adaptive speculation: every step, the way of running the next step that maximises its predicted tokens per
-second, from acceptance and costs measured while serving (`tsengine/spec/estimates.py`).
+second, from acceptance and costs measured while serving (`tsengine/spec/estimates.py`); the plan is run by
+`tsengine/spec/adaptive_proposer.py`.
 
 The choices (`Arm`): plain decoding; an EAGLE-3 chain of k = 1..S drafts; the configured EAGLE-2 tree (and
 a small 3x2x6 tree beside a larger one). Within a chain of length k each request is decided apart: it
@@ -10,49 +11,45 @@ both sources is not built (see docs/speculation-guide.md).
 
 The prediction for B decoding requests, m of which draft (k tokens each, E of them from the head), with
 expected gains g_j (tokens beyond the one plain decoding gives):
-    tokens   = B + Σ g_j
+    tokens   = B + Σ g_j, counted by the time they save (`_worth_ratio`)
     seconds  = target(B + m·k rows) + drafter(extension, k forwards over E·k rows)
-Speculation is all or nothing across the batch: every request that has a source drafts, except one whose
-best source is expected to gain under `MIN_GAIN` tokens. Choosing the subset that maximises the step's
-tokens per second (tried first) lost 10% at 16 requests: requests that start and stop together finish
-when the slowest does, so speeding up some of them shortens nothing while every step pays their rows.
+A token is worth what it saves. With requests queued, every token frees a slot sooner. With none, a request
+done sooner leaves a batch that goes on until its longest requests are done: the step's base cost is saved
+only by the gain of the least gaining of those, the rest of a token's gain is its row. (Which requests are
+the longest is known when every request ignores EOS; where any may stop sooner, each is as likely to be the
+last, and the expected saving is again one token's per token.) Counted per token,
+prompt lookup for 6 of 16 requests that started together (τ 1.44) was chosen, and ran 10% below plain.
+Speculation is also all or nothing across the batch (every request with a source worth `MIN_GAIN` drafts),
+and, with several requests and none queued, must be predicted `MARGIN` (1.05×) faster than plain: requests
+accept at different rates, so such a batch thins out before its slowest request is done (measured at 16
+requests: the chain of 1, predicted and per step delivering 5% above plain, finished 10% below it).
 
 The costs are lines fitted by recursive least squares (`LinearCost`): the target's step as base + eager
 (a step mixing decodes and windows runs without a graph) + per chain row + per tree row (bitmask
 attention costs more), with the one-row step (another matmul kernel) as a running mean of its own; the
-head's as base + per extended row + per sequential head forward + per drafted row. One model for every arm, so a length the
-policy has rarely chosen is still priced from what every other step taught it.
+head's as base + per extended row + per sequential head forward + per drafted row. One model for every
+arm, so a length the policy has rarely chosen is still priced from what every other step taught it.
 
-The head's own upkeep: it extends its one layer over every committed row, so that drafting can resume at
-any step; eager, that is ~2.5 ms a step (~10% of a compiled batch-1 step), paid by plain steps too. So
-every decision also asks whether the head pays at this load: the best step with the head (its upkeep priced
-in) against the best without it (plain decoding or prompt lookup, no upkeep), both for requests like
-these, gaps in their caches ignored. When the running mean of that ratio (over ~16 decisions) drops below
-1, the head is switched off: no extension, prompt lookup and plain decoding only; at `MARGIN`, it comes back.
-The head's line (`draft_cost`) learns only while it runs, so its base is what a head-free step saves;
-prompt lookup and the decision itself have their own (`overhead_cost`). (The first rule compared only a
-full-batch chain of 1 with plain decoding, both paying the upkeep: at 16 requests the policy decoded
-plainly on 91 of 96 steps and kept paying it, 7.4% below plain: docs/benchmarks.md.) Requests that miss
-positions cannot draft from the head until a recompute rebuilds their draft cache (`PerRequest.head_gap`);
-requests admitted after it is back on can. Its acceptance estimates do not move while off, so it is also
-tried again every `reprobe` (256) decisions; on again, it is not judged before it has drafted
-`JUDGE_AFTER` (64) windows (the first rule judged it within 8 decisions, before any request that could
-use it had arrived, and at 4 requests, where its chain of 1 was the best fixed configuration, it stayed
-off for good: docs/benchmarks.md). Corrections keep the two regimes apart ("plain" and "plain
-headless"): a step with the head on pays its upkeep.
-
-Speculation must be predicted `MARGIN` (1.05×) faster than plain decoding to be chosen. Below that the
-gain is within the models' error, and a batch that speculates finishes raggedly: requests accept at
-different rates, so the batch thins out before its slowest request is done, and those thin steps cost
-nearly as much as full ones. Measured at 16 requests that start together: the chain of 1 was predicted
-(and per step delivered) ~5% above plain and finished 10% below it.
+The head's upkeep: it extends its one layer over the committed rows of every request it may draft for, so
+that drafting can resume at any step; eager, ~2.5 ms a step (~10% of a compiled batch-1 step), paid by
+plain steps too. So every decision also asks whether the head pays at this load: the best step with the
+head (upkeep priced in) against the best without it (plain or prompt lookup), for requests like these.
+When the running mean of that ratio (over ~16 decisions) drops below 1, the head is switched off (no
+extension); at `MARGIN`, it comes back. Its line (`draft_cost`) learns only while it runs, so its base is
+what a head-free step saves; prompt lookup and the decision have their own (`overhead_cost`). A request
+whose positions it skipped (`PerRequest.head_gap`) never drafts from it again (until a recompute), and is
+not extended over either. Off, its estimates do not move, so it is tried again every `reprobe` (256)
+decisions; on again, it is judged only after drafting `JUDGE_AFTER` (64) windows or `USABLE_FOR` (16)
+decisions in which some request could have used it (judged at once, it was switched off before any such
+request arrived; judged on windows alone, it stayed on for good where plain steps were chosen anyway:
+docs/benchmarks.md). Corrections keep the two regimes apart ("plain" and "plain headless").
 
 The lines are right on average, not at every load: a step's cost is not linear in its rows on a CPU, and
 the head's acceptance depends on the prompts of the moment. So every plan's prediction is corrected by
 what that arm actually delivered at that batch size: realized / predicted tokens as a ratio of decayed
-sums (`Correction`, per arm and main source and power-of-two batch bucket, over the steps without prefill
-rows). Near a
-break-even, where a small bias in either model picks the wrong side, the realized rate decides.
+sums (`Correction`, per arm and main source and power-of-two batch bucket, over the steps without
+prefill rows). Near a break-even, where a small bias in either model picks the wrong side, the realized
+rate decides.
 
 Exploration: the first steps try each arm once, then one step in `explore_every` (32) runs a random
 runner-up predicted within 30% of the best (or a neighbouring chain length), so estimates stay alive
@@ -66,18 +63,17 @@ greedy token for token, seeded sampling identical (tests/test_adaptive.py forces
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass
 
-from tsengine import graphs
 from tsengine.spec.drafts import Proposal
-from tsengine.spec.estimates import Acceptance, LinearCost, MeanTokens, PerRequest, RunningMean
+from tsengine.spec.estimates import Acceptance, Correction, LinearCost, MeanTokens, PerRequest, RunningMean
 
 SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
-JUDGE_AFTER = 64  # verify windows drafted by the head before its upkeep may switch it off
+JUDGE_AFTER = 64  # verify windows drafted by the head before its upkeep may switch it off, or
+USABLE_FOR = 16  # decisions it could have drafted for some request (the policy may prefer plain decoding)
 
 
 @dataclass(frozen=True)
@@ -122,50 +118,14 @@ class Plan:
         return self.arm.name + (" ngram" if lookup and not self.arm.is_tree else "")
 
 
-class Correction:
-    """Per (plan kind, batch bucket): realized / predicted tokens, as a ratio of decayed sums, from 1.
-
-    A ratio of sums, not a mean of per-step ratios: one step of a chain commits 1 to k + 1 tokens, so its
-    own ratio swings by ±50%. A running mean of those (weight 0.15, the first revision) wandered ±13%,
-    more than `MARGIN`, and a kind that drifted low stopped being chosen and stayed low (it learns only
-    when chosen): at batch 1 every speculative kind sat at 0.72–0.87 while its steps delivered 1.2× plain
-    (measured, docs/benchmarks.md). `prior` pseudo-steps at ratio 1 keep a barely tried kind near 1."""
-
-    def __init__(self, weight: float = 0.02, prior: float = 4.0):
-        self.weight, self.prior, self.sums = weight, prior, {}
-
-    @property
-    def ratio(self) -> dict:
-        return {k: got / want for k, (got, want) in self.sums.items()}
-
-    @staticmethod
-    def bucket(batch: int) -> int:
-        return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ... (the bucket's top)
-
-    def observe(self, kind: str, batch: int, tokens: float, predicted_tokens: float) -> None:
-        """`tokens` the step committed; `predicted_tokens` what the prediction promised in the step's time."""
-        k = kind, self.bucket(batch)
-        got, want = self.sums.get(k, (self.prior, self.prior))
-        keep = 1 - self.weight
-        self.sums[k] = (got * keep + tokens, want * keep + predicted_tokens)
-
-    def __call__(self, kind: str, batch: int) -> float:
-        """The ratio at this batch bucket, else at the nearest bucket this kind has one for (a load it has
-        not run at yet is likelier to behave as the nearest load it has), else 1."""
-        bucket = self.bucket(batch)
-        known = [b for (n, b) in self.ratio if n == kind]
-        if not known:
-            return 1.0
-        nearest = min(known, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        return self.ratio[kind, nearest]
-
-
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
                  explore_every: int = 32, switch_after: int = 8, seed: int = 0):
         self.steps, self.ngram, self.explore_every, self.switch_after = steps, ngram, explore_every, switch_after
         self.head_on, self.head_advantage, self._off_for, self.reprobe = True, MARGIN, 0, 256
         self._judge_from = JUDGE_AFTER  # the head's windows before which it is not switched off
+        self._usable = 0  # decisions since it was switched on in which some request could draft from it
+        self._critical: list[bool] | None = None  # this decision's requests on the batch's longest path
         trees = [tree] if tree else []
         if tree and tree[1] > SMALL_TREE[1] and tree[0] >= SMALL_TREE[0]:
             trees.append(SMALL_TREE)
@@ -260,22 +220,44 @@ class AdaptivePolicy:
         return tokens / max(seconds, 1e-9)
 
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
-              found: list[list[int] | None] | None = None, head: bool | None = None) -> float:
-        """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism)."""
-        tokens, chain_rows, tree_rows = 0.0, 0, 0
+              found: list[list[int] | None] | None = None, head: bool | None = None, worth: bool = False) -> float:
+        """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism);
+        `worth`: the tokens counted by the time they save (`_worth`)."""
+        gains, chain_rows, tree_rows = [], 0, 0
         for j, (source, st) in enumerate(zip(sources, stats)):
             st = st or self._untried
             if source == "plain":
-                tokens, chain_rows = tokens + 1, chain_rows + 1
+                gains.append(0.0)
+                chain_rows += 1
             elif arm.is_tree:
-                tokens, tree_rows = tokens + self.tree_tokens[arm].mean, tree_rows + arm.nodes
+                gains.append(self.tree_tokens[arm].mean - 1.0)
+                tree_rows += arm.nodes
             else:
                 k = min(arm.steps, len(found[j])) if source == "ngram" and found and found[j] else arm.steps
-                tokens += st.tokens(source, k, self.eagle if source == "eagle3" else self.lookup)
+                gains.append(st.tokens(source, k, self.eagle if source == "eagle3" else self.lookup) - 1.0)
                 chain_rows += arm.steps + 1
         plain = sources.count("plain")
-        return self.predict(arm, tokens, chain_rows, tree_rows, sources.count("eagle3"), len(sources), head,
-                            mixed=0 < plain < len(sources))
+        tps = self.predict(arm, len(gains) + sum(gains), chain_rows, tree_rows, sources.count("eagle3"), len(sources),
+                           head, mixed=0 < plain < len(sources))
+        return tps * self._worth_ratio(gains) if worth else tps
+
+    def _worth_ratio(self, gains: list[float]) -> float:
+        """The step's tokens counted by the time they save, over the tokens it commits (1: all count; see the
+        module's docstring). `_critical`: the requests within a step's drafts of the longest, None when
+        requests are queued. For one request, or gains alike across the batch, the two counts agree."""
+        batch, extra = len(gains), sum(gains)
+        if self._critical is None or extra <= 0:
+            return 1.0
+        if batch == 1 and self.one_row.value is not None:
+            step = self.one_row.value
+        else:
+            step = self.target_cost.predict([1.0, float(not self.graphs_seen), batch, 0])
+        if step <= 0:
+            return 1.0
+        row = min(max(self.target_cost.theta[2], 0.0), step / batch)
+        longest = min(g for g, c in zip(gains, self._critical) if c)
+        worth = (row * extra + (step - row * batch) * longest) * batch / step
+        return (batch + worth) / (batch + extra)
 
     def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None],
                     lookup_only: bool = False, head: bool | None = None) -> Plan | None:
@@ -285,7 +267,7 @@ class AdaptivePolicy:
         the head makes the step pay k sequential head forwards, which a lookup-only step does not.
         `head`: see `candidates`."""
         on = self.head_on if head is None else head
-        sources, tokens, heads = [], float(len(stats)), 0
+        sources, gains, heads = [], [], 0
         for st, f in zip(stats, found):
             st = st or self._untried
             options = []
@@ -297,14 +279,15 @@ class AdaptivePolicy:
             if gain - 1.0 < MIN_GAIN:
                 source = "plain"
             sources.append(source)
-            if source != "plain":
-                tokens, heads = tokens + gain - 1.0, heads + (source == "eagle3")
+            gains.append(0.0 if source == "plain" else gain - 1.0)
+            heads += source == "eagle3"
         drafting = len(sources) - sources.count("plain")
         if not drafting:
             return None
         plan = Plan(Arm(k), sources)
-        plan.tokens_per_s = self.predict(Arm(k), tokens, len(stats) + drafting * k, 0, heads, len(stats), on,
-                                         mixed=drafting < len(stats)) * self._corrected(plan.kind, len(stats), on)
+        tps = self.predict(Arm(k), len(stats) + sum(gains), len(stats) + drafting * k, 0, heads, len(stats), on,
+                           mixed=drafting < len(stats))
+        plan.tokens_per_s = tps * self._worth_ratio(gains) * self._corrected(plan.kind, len(stats), on)
         return plan
 
     def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None],
@@ -322,8 +305,8 @@ class AdaptivePolicy:
             plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True, head=head) for k in chains))
         heads = ["eagle3" if on and not (head is None and st and st.head_gap) else "plain" for st in stats]
         if "eagle3" in heads:
-            plans += [Plan(a, heads, self.price(a, heads, stats, head=head) * self._corrected(a.name, batch, on))
-                      for a in self.tree_tokens]
+            plans += [Plan(a, heads, self.price(a, heads, stats, head=head, worth=True)
+                           * self._corrected(a.name, batch, on)) for a in self.tree_tokens]
         return plans
 
     @staticmethod
@@ -334,11 +317,12 @@ class AdaptivePolicy:
     def _corrected(self, kind: str, batch: int, head: bool) -> float:
         return self.correction(self._kind(kind, head), batch)
 
-    @staticmethod
-    def _best(plans: list[Plan]) -> Plan:
-        """What the policy runs of these (exploration aside): the fastest, if `MARGIN` faster than plain."""
+    def _best(self, plans: list[Plan]) -> Plan:
+        """What the policy runs of these (exploration aside): the fastest, if `MARGIN` faster than plain where
+        a ragged finish can cost (several requests, none queued)."""
         best = max(plans, key=lambda p: p.tokens_per_s)
-        return best if best.tokens_per_s >= MARGIN * plans[0].tokens_per_s else plans[0]
+        ragged = self._critical is not None and len(self._critical) > 1
+        return best if best.tokens_per_s >= (MARGIN if ragged else 1.0) * plans[0].tokens_per_s else plans[0]
 
     def _switch_head(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> None:
         """Hysteresis on whether the head's upkeep pays at this load: the best step with the head (its
@@ -346,8 +330,10 @@ class AdaptivePolicy:
         mean of their ratio over ~2·`switch_after` decisions. A mean, not a streak: the ratio moves with
         each step's lookup matches and each request's record, and a head switched on again cannot draft for
         requests that ran while it was off, so flapping costs its upkeep for nothing."""
-        if self.head_on and self.eagle.windows < self._judge_from:  # (again) on: it must draft before it is judged
-            return
+        if self.head_on:  # (again) on: it must have drafted, or had the chance to, before it is judged
+            self._usable += any(not (st and st.head_gap) for st in stats)
+            if self.eagle.windows < self._judge_from and self._usable < USABLE_FOR:
+                return
         on = self._best(self.candidates(stats, found, head=True)).tokens_per_s
         off = self._best(self.candidates(stats, found, head=False)).tokens_per_s
         self.head_advantage += (on / max(off, 1e-9) - self.head_advantage) / (2 * self.switch_after)
@@ -357,14 +343,27 @@ class AdaptivePolicy:
         if self._off_for >= self.reprobe:
             self.head_advantage = MARGIN
         if self.head_advantage < 1.0 if self.head_on else self.head_advantage >= MARGIN:
-            self.head_on, self._off_for = not self.head_on, 0
-            # back on, it learns only from requests admitted since: it gets JUDGE_AFTER windows of them
+            self.head_on, self._off_for, self._usable = not self.head_on, 0, 0
+            # back on, it learns only from requests admitted since: it gets JUDGE_AFTER windows of them, or
+            # USABLE_FOR decisions in which it could have drafted for some of them
             self._judge_from = self.eagle.windows + JUDGE_AFTER
 
-    def choose(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
+    def choose(self, stats: list[PerRequest | None], found: list[list[int] | None],
+               remaining: list[int | None] | None = None, queued: int = 0) -> Plan:
         """The plan for the next step of these drafting requests (their stats, their n-gram continuation
-        or None). A test hook may replace it: any plan is lossless."""
+        or None, the tokens each will still generate or None where EOS may end it), with `queued` requests
+        waiting for a slot. A test hook may replace it: any plan is lossless.
+
+        The batch's longest requests (`_critical`, within a step's drafts of the longest) are known only
+        when every end is: where any request may stop at EOS, each is as likely to be the last, and the
+        expected time a token saves is again one token's (`_worth_ratio` gives 1)."""
+        if remaining and None not in remaining and not queued:
+            self._critical = [r >= max(remaining) - self.steps for r in remaining]
+        else:
+            self._critical = None
         plan = self._decide(stats, found)
+        plan.sources = [s if s != "eagle3" or self.head_on and not (st and st.head_gap) else "plain"
+                        for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too
         plan.raw_tokens_per_s = self.price(plan.arm, plan.sources, stats, found)
         return plan
 
@@ -396,51 +395,6 @@ class AdaptivePolicy:
         top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
         return (f"policy: chose {top}; head {'on' if self.head_on else 'off'}; eagle3 acceptance {rates}; "
                 f"ngram {look}")
-
-
-class AdaptiveProposer:
-    """Runs the plan `AdaptivePolicy.choose` makes: the EAGLE-3 proposer drafts for the requests assigned to
-    it (a chain or a tree), prompt lookup for the others; the head extends over every committed row."""
-
-    def __init__(self, eagle, ngram, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
-                 seed: int = 0):
-        self.inner, self.ngram = eagle, ngram
-        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed)
-        self.draft_len = steps
-
-    def propose(self, proposal: Proposal):
-        policy = self.policy
-        policy.learn(proposal)
-        head = policy.head_on
-        for c in proposal.runs:  # off, the head misses these rows; a run starting where the head's KV ends
-            if not head or c.start == c.seq.draft_cached:  # (position 0, or a cached prefix) rebuilds them
-                stats(c.seq, self.policy.steps).head_gap = not head
-        need = proposal.drafting
-        t0 = time.perf_counter()
-        found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
-        plan = policy.choose([seq.spec_stats for seq in need], found) if need else Plan(Arm(0), [])
-        head = policy.head_on  # the choice may have switched it (this step's runs were marked by the old state)
-        t1, compiled_before = time.perf_counter(), graphs.compiles()
-        arm, eagle, drafts = plan.arm, plan.eagle, []
-        if head and arm.is_tree:
-            drafts = self.inner.propose(proposal, tree=arm.shape, only=eagle)
-        elif head:
-            drafts = self.inner.propose(proposal, steps=arm.steps if any(eagle) else 0, only=eagle)
-        drafts = drafts or [None] * len(need)
-        for j, source in enumerate(plan.sources):
-            if source == "ngram" and found[j] is not None:
-                drafts[j] = self.ngram.drafts(found[j], arm.steps)
-        if need:
-            first = next((d for d in drafts if d is not None), None)
-            if first is not None:
-                first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
-            extended = sum(len(c.rows) for c in proposal.runs) if head else 0
-            fresh = graphs.compiles() != compiled_before
-            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1, t1 - t0)
-            self.draft_len = arm.steps
-            policy.chosen[arm.name] += 1
-            policy.drafted_by.update(plan.sources)
-        return drafts
 
 
 def stats(seq, steps: int) -> PerRequest:

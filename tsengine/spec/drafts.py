@@ -58,6 +58,7 @@ class Proposal:
     target_seconds: float = 0.0
     tokens: int = 0  # tokens the step committed, finished requests' included (what speculation buys)
     graph: bool = False  # the forward ran through a compiled graph (a mixed step runs eagerly: graphs.py)
+    queued: int = 0  # requests waiting for a slot: a request finished sooner frees one for them
 
     @property
     def drafting(self) -> list["Sequence"]:

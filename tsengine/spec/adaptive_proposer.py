@@ -1,0 +1,70 @@
+"""Runs the plan adaptive speculation chooses each step (`tsengine/spec/adaptive.py`): the EAGLE-3 proposer
+drafts for the requests assigned to it (a chain or a tree), prompt lookup for the others, and the step's
+costs and acceptance go back to the policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from tsengine import graphs
+from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan, stats
+from tsengine.spec.drafts import Proposal
+
+
+class AdaptiveProposer:
+    """The head extends over the committed rows of the requests it can draft for, while it is on."""
+
+    def __init__(self, eagle, ngram, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
+                 seed: int = 0):
+        self.inner, self.ngram = eagle, ngram
+        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed)
+        self.draft_len = steps
+
+    def propose(self, proposal: Proposal):
+        policy = self.policy
+        policy.learn(proposal)
+        head = policy.head_on
+        for c in proposal.runs:  # off, the head misses these rows; a run starting where the head's KV ends
+            if not head or c.start == c.seq.draft_cached:  # (position 0, or a cached prefix) rebuilds them
+                stats(c.seq, self.policy.steps).head_gap = not head
+        need = proposal.drafting
+        t0 = time.perf_counter()
+        found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
+        remaining = [known_remaining(seq) for seq in need]
+        plan = (policy.choose([seq.spec_stats for seq in need], found, remaining, proposal.queued) if need
+                else Plan(Arm(0), []))
+        head = policy.head_on  # the choice may have switched it (this step's runs were marked by the old state)
+        t1, compiled_before = time.perf_counter(), graphs.compiles()
+        arm, drafts = plan.arm, [None] * len(need)
+        # the head extends over the runs of requests it can draft for: a request it skipped (`head_gap`)
+        # never can again, and the extension over its rows would be upkeep paid for nothing
+        runs = [c for c in proposal.runs if not stats(c.seq, self.policy.steps).head_gap] if head else []
+        if runs:
+            usable = [not seq.spec_stats.head_gap for seq in need]
+            only = [e for e, ok in zip(plan.eagle, usable) if ok]
+            shape = dict(tree=arm.shape) if arm.is_tree else dict(steps=arm.steps if any(only) else 0)
+            got = iter(self.inner.propose(dataclasses.replace(proposal, runs=runs), only=only, **shape)
+                       or [None] * len(only))
+            drafts = [next(got) if ok else None for ok in usable]
+        for j, source in enumerate(plan.sources):
+            if source == "ngram" and found[j] is not None:
+                drafts[j] = self.ngram.drafts(found[j], arm.steps)
+        if need:
+            first = next((d for d in drafts if d is not None), None)
+            if first is not None:
+                first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
+            extended = sum(len(c.rows) for c in runs)
+            fresh = graphs.compiles() != compiled_before
+            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1, t1 - t0)
+            self.draft_len = arm.steps
+            policy.chosen[arm.name] += 1
+            policy.drafted_by.update(plan.sources)
+        return drafts
+
+
+def known_remaining(seq) -> int | None:
+    """The tokens `seq` will still generate, where its end is known: EOS and stop ids ignored, it runs to
+    max_tokens (a server-side stop string can still end it sooner); else None."""
+    p = seq.params
+    return p.max_tokens - seq.num_output if p.ignore_eos and not p.stop_token_ids else None
