@@ -193,8 +193,8 @@ def test_each_request_gets_the_source_that_pays_for_it():
 def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_rows():
     """Lookup offers a sure continuation to 2 of 8 requests. With requests queued, a request done sooner frees
     its slot: they draft. With none queued and all 8 equally long, the batch ends no sooner (the other six
-    are as long): they decode plainly, unless one may stop at EOS (then any may be the last). Once those
-    two are the longest, each token they gain ends the batch a step sooner: they draft again."""
+    are as long): they decode plainly, unless one may stop at EOS (then any may be the last). Requests that
+    started apart are counted per token (their slots are taken to be refilled): they draft again."""
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
     good = PerRequest(3)
     for _ in range(200):

@@ -13,12 +13,15 @@ The prediction for B decoding requests, m of which draft (k tokens each, E of th
 expected gains g_j (tokens beyond the one plain decoding gives):
     tokens   = B + Σ g_j, counted by the time they save (`_worth_ratio`)
     seconds  = target(B + m·k rows) + drafter(extension, k forwards over E·k rows)
-A token is worth what it saves. With requests queued, every token frees a slot sooner. With none, a request
-done sooner leaves a batch that goes on until its longest requests are done: the step's base cost is saved
-only by the gain of the least gaining of those, the rest of a token's gain is its row. (Which requests are
-the longest is known when every request ignores EOS; where any may stop sooner, each is as likely to be the
-last, and the expected saving is again one token's per token.) Counted per token,
-prompt lookup for 6 of 16 requests that started together (τ 1.44) was chosen, and ran 10% below plain.
+A token is worth what it saves. A request done sooner frees its slot for the next one, so every token
+counts, except in a batch that will end together with nothing queued: there a request done sooner only
+leaves, the steps go on until the others are done, and the step's base cost is saved only by the gain of
+the least gaining request; the rest of a token's gain is its row. Counted per token, prompt lookup for 6 of
+16 requests that started together (τ 1.44) was chosen, and ran 10% below plain. (Ends are known when
+requests ignore EOS; where any may stop sooner, each is as likely to be the last, and the expected saving
+is again one token's. A batch whose requests started apart is taken to be refilled as it empties, as a
+client with more to send does: counted there by the least gaining, the newest request's gain looked like
+the batch's and lookup for it ran 14% below the chain of 1 at 4 requests.)
 Speculation is also all or nothing across the batch (every request with a source worth `MIN_GAIN` drafts),
 and, with several requests and none queued, must be predicted `MARGIN` (1.05×) faster than plain: requests
 accept at different rates, so such a batch thins out before its slowest request is done (measured at 16
@@ -36,7 +39,8 @@ plain steps too. So every decision also asks whether the head pays at this load:
 head (upkeep priced in) against the best without it (plain or prompt lookup), for requests like these.
 When the running mean of that ratio (over ~16 decisions) drops below 1, the head is switched off (no
 extension); at `MARGIN`, it comes back. Its line (`draft_cost`) learns only while it runs, so its base is
-what a head-free step saves; prompt lookup and the decision have their own (`overhead_cost`). A request
+what a head-free step saves; the rest of a step (prompt lookup, the decision, commit, outputs, the
+server's loop) has its own (`overhead_cost`): every plan pays it, so it favours plans with more tokens. A request
 whose positions it skipped (`PerRequest.head_gap`) never drafts from it again (until a recompute), and is
 not extended over either. Off, its estimates do not move, so it is tried again every `reprobe` (256)
 decisions; on again, it is judged only after drafting `JUDGE_AFTER` (64) windows or `USABLE_FOR` (16)
@@ -72,6 +76,7 @@ from tsengine.spec.estimates import Acceptance, Correction, LinearCost, MeanToke
 SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
+TOGETHER = 8  # tokens apart requests may be and still end together (chunked prefill staggers starts a little)
 JUDGE_AFTER = 64  # verify windows drafted by the head before its upkeep may switch it off, or
 USABLE_FOR = 16  # decisions it could have drafted for some request (the policy may prefer plain decoding)
 
@@ -125,7 +130,8 @@ class AdaptivePolicy:
         self.head_on, self.head_advantage, self._off_for, self.reprobe = True, MARGIN, 0, 256
         self._judge_from = JUDGE_AFTER  # the head's windows before which it is not switched off
         self._usable = 0  # decisions since it was switched on in which some request could draft from it
-        self._critical: list[bool] | None = None  # this decision's requests on the batch's longest path
+        self._together = False  # this decision's requests will end together, and no request waits for a slot
+        self._queued = False  # requests wait for a slot: a request done sooner is replaced at once
         trees = [tree] if tree else []
         if tree and tree[1] > SMALL_TREE[1] and tree[0] >= SMALL_TREE[0]:
             trees.append(SMALL_TREE)
@@ -186,12 +192,17 @@ class AdaptivePolicy:
                 self.correction.observe(self._kind(last.kind, self.last_head_on), len(last.sources), proposal.tokens,
                                         promised)
 
-    def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None, overhead_seconds: float = 0.0) -> None:
+    def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None,
+                    overhead_seconds: float | None = 0.0) -> None:
         """`head_seconds`: the head's extension and drafting (None: it compiled a graph in this step, which
-        says nothing about its cost; 0 with the head off); `overhead_seconds`: prompt lookup's and the choice's."""
+        says nothing about its cost; 0 with the head off); `overhead_seconds`: the rest of the step outside
+        the forward (prompt lookup, the choice, commit, outputs; None: not measured, the line's estimate)."""
         if head_seconds is not None and self.head_on:
             self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], head_seconds)
-        self.overhead_cost.update([1.0, len(plan.sources)], overhead_seconds)
+        if overhead_seconds is None:
+            overhead_seconds = self.overhead_cost.predict([1.0, len(plan.sources)])
+        else:
+            self.overhead_cost.update([1.0, len(plan.sources)], overhead_seconds)
         self.last, self.last_head_on = plan, self.head_on
         self.last_draft_seconds = None if head_seconds is None else head_seconds + overhead_seconds
 
@@ -243,10 +254,9 @@ class AdaptivePolicy:
 
     def _worth_ratio(self, gains: list[float]) -> float:
         """The step's tokens counted by the time they save, over the tokens it commits (1: all count; see the
-        module's docstring). `_critical`: the requests within a step's drafts of the longest, None when
-        requests are queued. For one request, or gains alike across the batch, the two counts agree."""
+        module's docstring). For one request, or gains alike across the batch, the two counts agree."""
         batch, extra = len(gains), sum(gains)
-        if self._critical is None or extra <= 0:
+        if not self._together or extra <= 0:
             return 1.0
         if batch == 1 and self.one_row.value is not None:
             step = self.one_row.value
@@ -255,8 +265,7 @@ class AdaptivePolicy:
         if step <= 0:
             return 1.0
         row = min(max(self.target_cost.theta[2], 0.0), step / batch)
-        longest = min(g for g, c in zip(gains, self._critical) if c)
-        worth = (row * extra + (step - row * batch) * longest) * batch / step
+        worth = (row * extra + (step - row * batch) * min(gains)) * batch / step
         return (batch + worth) / (batch + extra)
 
     def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None],
@@ -321,7 +330,7 @@ class AdaptivePolicy:
         """What the policy runs of these (exploration aside): the fastest, if `MARGIN` faster than plain where
         a ragged finish can cost (several requests, none queued)."""
         best = max(plans, key=lambda p: p.tokens_per_s)
-        ragged = self._critical is not None and len(self._critical) > 1
+        ragged = len(plans[0].sources) > 1 and not self._queued
         return best if best.tokens_per_s >= (MARGIN if ragged else 1.0) * plans[0].tokens_per_s else plans[0]
 
     def _switch_head(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> None:
@@ -354,13 +363,13 @@ class AdaptivePolicy:
         or None, the tokens each will still generate or None where EOS may end it), with `queued` requests
         waiting for a slot. A test hook may replace it: any plan is lossless.
 
-        The batch's longest requests (`_critical`, within a step's drafts of the longest) are known only
-        when every end is: where any request may stop at EOS, each is as likely to be the last, and the
-        expected time a token saves is again one token's (`_worth_ratio` gives 1)."""
-        if remaining and None not in remaining and not queued:
-            self._critical = [r >= max(remaining) - self.steps for r in remaining]
-        else:
-            self._critical = None
+        The requests end together (`_together`) when every end is known and within `TOGETHER` tokens of
+        the others. Where any may stop at EOS, each is as likely to be the last, and the expected time a token
+        saves is again one token's; where they started apart (a client sending its next request as one
+        ends), the next arrival is likely to take a freed slot as a queued request would."""
+        self._queued = queued > 0
+        known = bool(remaining) and len(remaining) > 1 and None not in remaining
+        self._together = known and not queued and max(remaining) - min(remaining) <= TOGETHER
         plan = self._decide(stats, found)
         plan.sources = [s if s != "eagle3" or self.head_on and not (st and st.head_gap) else "plain"
                         for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too
