@@ -12,7 +12,7 @@ both sources is not built (see docs/speculation-guide.md).
 The prediction for B decoding requests, m of which draft (k tokens each, E of them from the head), with
 expected gains g_j (tokens beyond the one plain decoding gives):
     tokens   = B + Σ g_j, counted by the time they save (`_worth_ratio`)
-    seconds  = target(B + m·k rows) + drafter(extension, k forwards over E·k rows)
+    seconds  = target(B + m·k rows) + drafter(extension, k forwards over E·k rows) + the rest of the step
 A token is worth what it saves. A request done sooner frees its slot for the next one, so every token
 counts, except in a batch that will end together with nothing queued: there a request done sooner only
 leaves, the steps go on until the others are done, and the step's base cost is saved only by the gain of
@@ -20,8 +20,8 @@ the least gaining request; the rest of a token's gain is its row. Counted per to
 16 requests that started together (τ 1.44) was chosen, and ran 10% below plain. (Ends are known when
 requests ignore EOS; where any may stop sooner, each is as likely to be the last, and the expected saving
 is again one token's. A batch whose requests started apart is taken to be refilled as it empties, as a
-client with more to send does: counted there by the least gaining, the newest request's gain looked like
-the batch's and lookup for it ran 14% below the chain of 1 at 4 requests.)
+client with more to send does: counted there by the least gaining, the newest request's gain was worth
+the batch's (3× its tokens at 4 requests), and a server drafting by lookup ran 13% below plain.)
 Speculation is also all or nothing across the batch (every request with a source worth `MIN_GAIN` drafts),
 and, with several requests and none queued, must be predicted `MARGIN` (1.05×) faster than plain: requests
 accept at different rates, so such a batch thins out before its slowest request is done (measured at 16
