@@ -215,17 +215,19 @@ class AdaptivePolicy:
             return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
         return arm.steps, heads * arm.steps
 
+    def _target_seconds(self, chain_rows: int, tree_rows: int, mixed: bool = False) -> float:
+        """The target's step: the one-row step's own mean, else the line (a mixed step runs eagerly)."""
+        if chain_rows + tree_rows == 1 and self.one_row.value is not None:
+            return self.one_row.value
+        eager = mixed or not self.graphs_seen
+        return self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
+
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
                 head: bool | None = None, mixed: bool = False) -> float:
         """Tokens per second of a step of `batch` requests, `mixed` if some decode plainly while others
         verify; `head` (default: whether it is on) adds the head's upkeep, its extension over the committed
         rows."""
-        eager = mixed or not self.graphs_seen
-        if chain_rows + tree_rows == 1 and self.one_row.value is not None:
-            seconds = self.one_row.value
-        else:
-            seconds = self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
-        seconds += self.overhead_cost.predict([1.0, batch])
+        seconds = self._target_seconds(chain_rows, tree_rows, mixed) + self.overhead_cost.predict([1.0, batch])
         if self.head_on if head is None else head:
             seconds += self.draft_cost.predict([1.0, tokens, *self._draft_work(arm, heads)])
         return tokens / max(seconds, 1e-9)
@@ -233,7 +235,7 @@ class AdaptivePolicy:
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
               found: list[list[int] | None] | None = None, head: bool | None = None, worth: bool = False) -> float:
         """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism);
-        `worth`: the tokens counted by the time they save (`_worth`)."""
+        `worth`: the tokens counted by the time they save (`_worth_ratio`)."""
         gains, chain_rows, tree_rows = [], 0, 0
         for j, (source, st) in enumerate(zip(sources, stats)):
             st = st or self._untried
@@ -258,10 +260,7 @@ class AdaptivePolicy:
         batch, extra = len(gains), sum(gains)
         if not self._together or extra <= 0:
             return 1.0
-        if batch == 1 and self.one_row.value is not None:
-            step = self.one_row.value
-        else:
-            step = self.target_cost.predict([1.0, float(not self.graphs_seen), batch, 0])
+        step = self._target_seconds(batch, 0)
         if step <= 0:
             return 1.0
         row = min(max(self.target_cost.theta[2], 0.0), step / batch)
