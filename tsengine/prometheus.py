@@ -78,6 +78,12 @@ def _policy_metrics(draft_len: int, policy):
         for term, value in zip(model.names, model.theta):
             cost.add_metric([part, term], value)
     yield cost
+    corr = GaugeMetricFamily("tsengine:spec_decode_prediction_ratio", "Tokens each kind of step delivered over "
+                             "the tokens its prediction promised in the step's time (decayed sums), by kind and "
+                             "batch bucket; the policy multiplies its predictions by it.", labels=["kind", "batch"])
+    for (kind, bucket), ratio in sorted(policy.correction.ratio.items()):
+        corr.add_metric([kind, str(bucket)], ratio)
+    yield corr
     chosen = CounterMetricFamily("tsengine:spec_decode_policy_steps", "Steps run with each choice "
                                  "(plain, chain k, tree SxKxN).", labels=["choice"])
     for name, n in sorted(list(policy.chosen.items())):  # a copy: the engine thread adds keys

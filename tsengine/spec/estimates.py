@@ -137,7 +137,7 @@ class Correction:
 
     @property
     def ratio(self) -> dict:
-        return {k: got / want for k, (got, want) in self.sums.items()}
+        return {k: got / want for k, (got, want) in list(self.sums.items())}  # a copy: /metrics reads it
 
     @staticmethod
     def bucket(batch: int) -> int:
