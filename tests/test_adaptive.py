@@ -194,17 +194,23 @@ def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_ro
     """Lookup offers a sure continuation to 2 of 8 requests. With requests queued, a request done sooner frees
     its slot: they draft. With none queued and all 8 equally long, the batch ends no sooner (the other six
     are as long): they decode plainly, unless one may stop at EOS (then any may be the last). Requests that
-    started apart are counted per token (their slots are taken to be refilled): they draft again."""
+    started apart are counted per token (their slots are taken to be refilled): they draft again. Started
+    together, they still end together when speculation has spread their remaining tokens."""
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
-    good = PerRequest(3)
+    good = [PerRequest(3), PerRequest(3)]
     for _ in range(200):
-        good.observe("ngram", 3, 3)
-    stats, found = [good, good] + [None] * 6, [[1, 2, 3]] * 2 + [None] * 6
+        for st in good:
+            st.observe("ngram", 3, 3)
+    rest = [PerRequest(3) for _ in range(6)]
+    stats, found = good + rest, [[1, 2, 3]] * 2 + [None] * 6
     assert p.choose(stats, found, [50] * 8, queued=2).sources == ["ngram"] * 2 + ["plain"] * 6
     assert p.choose(stats, found, [50] * 8).arm == Arm(0)
+    assert p.choose(stats, found, [40, 40] + [50] * 6).arm == Arm(0)  # the lookup pair drew ahead
     assert p.choose(stats, found, [50] * 7 + [None]).sources[:2] == ["ngram"] * 2  # one may stop at EOS: any
-    assert p.choose(stats, found, [50, 50] + [30] * 6).sources == ["ngram"] * 2 + ["plain"] * 6
-    one = p.choose([good], [[1, 2, 3]], [50])  # one request: every token it gains is the batch's
+    for st in rest:  # six requests admitted 20 steps later, as slots freed
+        st.age -= 20
+    assert p.choose(stats, found, [50] * 8).sources == ["ngram"] * 2 + ["plain"] * 6
+    one = p.choose([good[0]], [[1, 2, 3]], [50])  # one request: every token it gains is the batch's
     assert one.sources == ["ngram"] and p._worth_ratio([2.0]) == 1.0
     ends = [Sequence(str(i), [1, 2], SamplingParams(max_tokens=9, ignore_eos=eos), 0) for i, eos in enumerate((1, 0))]
     assert [known_remaining(seq) for seq in ends] == [9, None]

@@ -76,7 +76,7 @@ from tsengine.spec.estimates import Acceptance, Correction, LinearCost, MeanToke
 SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
-TOGETHER = 8  # tokens apart requests may be and still end together (chunked prefill staggers starts a little)
+TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
 JUDGE_AFTER = 64  # verify windows drafted by the head before its upkeep may switch it off, or
 USABLE_FOR = 16  # decisions it could have drafted for some request (the policy may prefer plain decoding)
 
@@ -362,13 +362,19 @@ class AdaptivePolicy:
         or None, the tokens each will still generate or None where EOS may end it), with `queued` requests
         waiting for a slot. A test hook may replace it: any plan is lossless.
 
-        The requests end together (`_together`) when every end is known and within `TOGETHER` tokens of
-        the others. Where any may stop at EOS, each is as likely to be the last, and the expected time a token
-        saves is again one token's; where they started apart (a client sending its next request as one
-        ends), the next arrival is likely to take a freed slot as a queued request would."""
+        The requests end together (`_together`) when every end is known and they started decoding within
+        `TOGETHER` steps of each other (their ages, in decisions, not their remaining tokens: speculation
+        spreads those, and a batch that started together and drifted apart still ends with its longest).
+        Where any may stop at EOS, each is as likely to be the last, and the expected time a token saves is
+        again one token's; where they started apart (a client sending its next request as one ends), the
+        next arrival is likely to take a freed slot as a queued request would."""
         self._queued = queued > 0
+        for st in stats:
+            if st is not None:
+                st.age += 1
+        ages = [st.age if st else 0 for st in stats]
         known = bool(remaining) and len(remaining) > 1 and None not in remaining
-        self._together = known and not queued and max(remaining) - min(remaining) <= TOGETHER
+        self._together = known and not queued and max(ages) - min(ages) <= TOGETHER
         plan = self._decide(stats, found)
         plan.sources = [s if s != "eagle3" or self.head_on and not (st and st.head_gap) else "plain"
                         for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too

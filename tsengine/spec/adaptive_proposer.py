@@ -36,7 +36,7 @@ class AdaptiveProposer:
         t0 = time.perf_counter()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
         remaining = [known_remaining(seq) for seq in need]
-        plan = (policy.choose([seq.spec_stats for seq in need], found, remaining, proposal.queued) if need
+        plan = (policy.choose([stats(seq, policy.steps) for seq in need], found, remaining, proposal.queued) if need
                 else Plan(Arm(0), []))
         t1, compiled_before = time.perf_counter(), graphs.compiles()
         drafts, extended = self._head_drafts(proposal, plan)

@@ -76,6 +76,7 @@ class PerRequest:
 
     def __init__(self, steps: int):
         self.head_gap = False  # the head skipped some of this request's positions: it cannot draft for it
+        self.age = 0  # decisions it has been part of (requests that started together have the same age)
         self.hit = {"eagle3": [0.0] * steps, "ngram": [0.0] * steps}
         self.tried = {"eagle3": [0.0] * steps, "ngram": [0.0] * steps}
 
