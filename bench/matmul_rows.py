@@ -1,8 +1,10 @@
 """What one decode / verify step's matmuls cost on this CPU: every weight of a Llama-shaped target, read
-once for 1, 4 and 8 input rows, with torch's default F.linear (MKL) and with oneDNN pre-packed weights
-(`tsengine/linear.py`). Random weights of the real shapes (default SmolLM2-135M); min over repeats.
+once for 1 to 16 input rows, with torch's default F.linear (MKL), with oneDNN pre-packed weights and with
+our few-row kernel (`tsengine/kernels/rows_linear.cpp`; `tsengine/linear.py` picks between them). Random
+weights of the real shapes (default SmolLM2-135M); min over repeats, the kernels interleaved per repeat.
 
-    python bench/matmul_rows.py [--hidden 576 --inter 1536 --layers 30 --heads 9 --kv-heads 3 --vocab 49152]
+    python bench/matmul_rows.py [--rows 1,2,4,8,16 --hidden 576 --inter 1536 --layers 30 --heads 9 --kv-heads 3
+        --vocab 49152]
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tsengine.kernels import rows_linear
 from tsengine.linear import PACK_ROWS
 
 
@@ -21,6 +24,7 @@ def main() -> None:
     for name, v in [("hidden", 576), ("inter", 1536), ("layers", 30), ("heads", 9), ("kv-heads", 3), ("vocab", 49152),
                     ("repeats", 8)]:
         ap.add_argument(f"--{name}", type=int, default=v)
+    ap.add_argument("--rows", default="1,2,4,8,16", help="input rows to measure, comma-separated")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     d = a.hidden // a.heads
@@ -30,23 +34,23 @@ def main() -> None:
     mb = sum(w.numel() * 4 for w in ws) / 1e6
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in ws]
     lp = torch.ops.mkldnn._linear_pointwise
+    kernels = {"F.linear (MKL)": lambda x, w, p: F.linear(x, w),
+               "oneDNN packed": lambda x, w, p: lp(x, p, None, "none", [], "")}
+    if rows_linear.available():
+        kernels["rows_linear"] = lambda x, w, p: rows_linear.rows_linear(x, w)
     print(f"{mb:.0f} MB of fp32 weights, torch threads {torch.get_num_threads()}")
-    print("| rows | F.linear (MKL) ms | GB/s | oneDNN packed ms | GB/s |")
-    print("| --- | --- | --- | --- | --- |")
-    for m in (1, 4, 8):
+    print("| rows | " + " | ".join(f"{k} ms | GB/s" for k in kernels) + " |")
+    print("| --- |" + " --- | --- |" * len(kernels))
+    for m in (int(r) for r in a.rows.split(",")):
         xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in ws}
-        best = [1e9, 1e9]
+        best = dict.fromkeys(kernels, 1e9)
         for _ in range(a.repeats):
-            t0 = time.perf_counter()
-            for w in ws:
-                F.linear(xs[w.shape[1]], w)
-            t1 = time.perf_counter()
-            for w, p in zip(ws, packed):
-                lp(xs[w.shape[1]], p, None, "none", [], "")
-            t2 = time.perf_counter()
-            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-        print(f"| {m} | {best[0] * 1e3:.1f} | {mb / 1e3 / best[0]:.1f} | {best[1] * 1e3:.1f} | {mb / 1e3 / best[1]:.1f} |")
-
+            for name, kernel in kernels.items():
+                t0 = time.perf_counter()
+                for w, p in zip(ws, packed):
+                    kernel(xs[w.shape[1]], w, p)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        print(f"| {m} | " + " | ".join(f"{t * 1e3:.1f} | {mb / 1e3 / t:.1f}" for t in best.values()) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

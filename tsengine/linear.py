@@ -1,9 +1,12 @@
-"""Matmuls for inference: oneDNN pre-packed weights on CPU fp32, plain F.linear elsewhere.
+"""Matmuls for inference on CPU fp32: our few-row kernel for decode and verify steps, oneDNN pre-packed
+weights for more rows (prefill chunks), plain F.linear elsewhere (GPU, training, other dtypes).
 
 Why: MKL's sgemm on this AMD CPU runs a 4-row verify window at about half the weight bandwidth of one
-row (5 vs 11 GB/s; bench/engine_speed.py, docs/benchmarks.md), so verifying S+1 tokens would cost two
+row (5 vs 11 GB/s; bench/matmul_rows.py, docs/benchmarks.md), so verifying S+1 tokens would cost two
 decode steps and speculation could never pay. oneDNN's packed kernel (packed once for an 8-row batch)
-reads 1, 4 and 8 rows in 27, 33 and 38 ms for all of SmolLM2's weights. On GPU this is plain F.linear.
+still costs 1.33x one row at 4 rows. `rows_linear` (tsengine/kernels/rows_linear.cpp) reads each weight
+once for every row, and sums every output in the same order whatever the rows: a token's logits are the
+same bits in a decode step and in a verify window.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tsengine.kernels import rows_linear
 
 PACK_ROWS = 8  # oneDNN's batch hint: measured best for 1..8-row inputs (decode and verify windows)
 
@@ -78,9 +83,15 @@ class Linear:
         self.weight, self.bias, self.packed = weight, bias, None
         if _packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+        self.few_rows = (self.packed is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous()
+                         and rows_linear.available())
 
     def _fast(self, x: torch.Tensor) -> bool:
         return self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
+
+    def _rows(self, x: torch.Tensor) -> bool:
+        """A decode or verify step's few rows: our kernel (shapes are static inside a compiled graph)."""
+        return self.few_rows and x.numel() <= rows_linear.MAX_ROWS * x.shape[-1] and x.is_contiguous()
 
     def _compiled_packed(self, x: torch.Tensor) -> bool:
         """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,
@@ -89,6 +100,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
+            if self._rows(x):
+                return rows_linear.rows_linear(x, self.weight, self.bias)
             if not torch.compiler.is_compiling():
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             if self._compiled_packed(x) and _PACKED_OPS == "fallback":
@@ -100,6 +113,8 @@ class Linear:
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
             # The residual add rides on the matmul (bitwise equal): one eager op less, ~10 µs on this CPU.
+            if self._rows(x):
+                return rows_linear.rows_linear(x, self.weight, self.bias, residual)
             if not torch.compiler.is_compiling():
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
             if self._compiled_packed(x) and _PACKED_OPS == "fallback":

@@ -1,0 +1,66 @@
+"""The few-row matmul kernel (tsengine/kernels/rows_linear.cpp): right, batch-invariant, and what Linear uses."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tsengine.kernels import rows_linear
+from tsengine.linear import Linear
+
+pytestmark = pytest.mark.skipif(not rows_linear.available(), reason="needs g++ and an AVX2/FMA CPU")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("out_features", [1, 2, 7, 96, 130])
+def test_matches_f_linear_with_bias_and_residual(rows, out_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x, w = torch.randn(rows, 64, generator=g), torch.randn(out_features, 64, generator=g)
+    b, r = torch.randn(out_features, generator=g), torch.randn(rows, out_features, generator=g)
+    torch.testing.assert_close(rows_linear.rows_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_linear.rows_linear(x, w, b, r), r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_is_the_same_bits_in_any_batch():
+    """Why the kernel sums in a fixed order: a token verified in a window of 16 rows gets the logits it
+    would get decoded alone, so speculation cannot flip a near-tie that plain decoding resolves."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 576, generator=g), torch.randn(1539, 576, generator=g)
+    full = rows_linear.rows_linear(x, w)
+    for rows in (1, 2, 3, 5, 16):
+        for start in range(0, 16 - rows + 1, rows):
+            assert torch.equal(rows_linear.rows_linear(x[start:start + rows], w), full[start:start + rows])
+
+
+def test_leading_dims_are_kept():
+    x, w = torch.randn(2, 3, 64), torch.randn(40, 64)
+    y = rows_linear.rows_linear(x, w)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
+    calls = []
+    real = rows_linear.rows_linear
+    monkeypatch.setattr(rows_linear, "rows_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    w, b = torch.randn(48, 64), torch.randn(48)
+    lin = Linear(w, b)
+    few, many = torch.randn(rows_linear.MAX_ROWS, 64), torch.randn(rows_linear.MAX_ROWS + 1, 64)
+    torch.testing.assert_close(lin(few), F.linear(few, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(many), F.linear(many, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.add(few, few[:, :48]), few[:, :48] + F.linear(few, w, b), rtol=1e-5, atol=1e-5)
+    assert calls == [few.shape, few.shape]
+
+
+def test_compiled_graph_calls_the_kernel():
+    """Inside torch.compile (inductor, C++ wrapper as the engine's graphs use) the op is an extern call."""
+    w, b = torch.randn(48, 64), torch.randn(48)
+    lin = Linear(w, b)
+
+    def step(x, r):
+        return lin.add(x, r)
+
+    x, r = torch.randn(4, 64), torch.randn(4, 48)
+    with torch.no_grad():
+        got = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})(x, r)
+    torch.testing.assert_close(got, r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
