@@ -78,6 +78,34 @@ def test_padding_rows_never_change_a_real_row(tiny_dirs):
         assert not torch.equal(flat[scratch:], flat0[scratch:]), "the padding rows should write to scratch"
 
 
+def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, heads):
+    """Runs of 1, 3 and 2 committed rows padded to a window of 4 and a batch of 4: the head's outputs equal
+    its eager layer's, its KV writes too, and no draft slot changes but theirs and the scratch block's."""
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    eagle = _llm(tiny_dirs, False, spec).engine.proposer
+    eagle.graphs.extends = True  # opt-in (TSENGINE_EXTEND_GRAPHS=1)
+    k_cache, v_cache = eagle.kv
+    k_cache.normal_()
+    v_cache.normal_()
+    before, v_before = k_cache.clone(), v_cache.clone()
+    runs = [([3, 4, 5], 9, 1), ([7], 1, 3), ([10, 11], 5, 2)]
+    ids = [11, 22, 33, 44, 55, 66]
+    aux = torch.randn(6, eagle.head.fc.weight.shape[1])
+    got = eagle.graphs.extend(runs, ids, aux)
+    assert ("extend", 4, 4, 256) in eagle.graphs.graphs
+    graph_k = k_cache.clone()
+    k_cache.copy_(before)
+    v_cache.copy_(v_before)
+    ctx = Context.build(runs, eagle.block_size, "cpu")
+    want = eagle._layer(torch.tensor(ids), eagle.head.project(aux), ctx)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # the compiler reorders some sums
+    written, scratch = ctx.slot_mapping.tolist(), scratch_slot([eagle.kv])
+    flat, eager_flat, flat0 = graph_k.flatten(0, 1), k_cache.flatten(0, 1), before.flatten(0, 1)
+    torch.testing.assert_close(flat[written], eager_flat[written], atol=1e-4, rtol=1e-4)
+    others = [s for s in range(scratch) if s not in written]
+    assert torch.equal(flat[others], flat0[others]), "a padding row wrote outside the scratch block"
+
+
 def test_which_steps_take_a_graph(tiny_dirs):
     """Decode and uniform verify steps do; prefill chunks, mixed windows and oversized batches do not."""
     from types import SimpleNamespace as NS

@@ -11,6 +11,12 @@ measured 45 ms for 4 rows against 37 ms static. So each eligible step is padded 
 Prefill chunks, mixed windows (some requests decode while others verify), capture and the Triton backend
 stay eager: prefill is compute-bound, and the rest are rarer shapes than graphs are worth.
 
+The EAGLE-3 head has graphs of its own (`DraftGraphs`): each greedy chain step after the first, and, opt-in
+(`TSENGINE_EXTEND_GRAPHS=1`), its extension over each request's committed rows, padded to a window of 1,
+4 or 8 rows (the rows a step commits change every step, the window does not). Not the default: it has
+shown no gain yet (chain 1 at 16 requests: 0.83× plain with it, 0.85× before) and adds shapes that compile
+lazily, which stalled an adaptive server's timed rounds (docs/benchmarks.md, issue 15).
+
 Graphs compile lazily, on the first step of their shape, and are logged with their compile time; torch's
 FX graph cache keeps them on disk, so a restart recompiles a known shape in seconds, not ~40 s. On CUDA the
 same static step is what a CUDA graph would capture; that path is unmeasured (no GPU has run it) and off.
@@ -20,18 +26,20 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from tsengine.context import Context
-from tsengine.kv_cache import scratch_slot
+from tsengine.kv_cache import scratch_slot, slot
 from tsengine.linear import compiled_packed_ops
 
 log = logging.getLogger("tsengine")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+EXTEND_WINDOWS = (1, 4, 8)  # committed rows per request the head's extension pads to (a chain of 3 commits 1-4)
 MIN_CONTEXT = 256
 _compiles = 0  # graphs compiled (or loaded from torch's cache) in this process
 
@@ -138,15 +146,86 @@ def draft_step(proposer, ids, hidden, pos, tables):
     return proposer.draft_ids_in_target[proposer.head.logits(hidden).float().argmax(-1)], hidden
 
 
+def extend_step(proposer, window, ids, aux, positions, slots, tables, lens):
+    """The traced extension: the head's layer over a uniform [B, window] batch of committed rows fed with
+    the target's features `aux` [B·window, 3H] (`Eagle3Proposer.propose`). Returns [B·window, H] outputs."""
+    b, dev = tables.shape[0], ids.device
+    ctx = Context(positions, torch.arange(b, device=dev).repeat_interleave(window), slots, tables, lens,
+                  torch.arange(b + 1, device=dev) * window, window, tables.shape[1] * proposer.block_size,
+                  exact_ctx=False, uniform=True)
+    return proposer._layer(ids, proposer.head.project(aux.to(proposer.head.fc.weight.dtype)), ctx)
+
+
 class DraftGraphs:
-    """The head's greedy chain steps after the first, one graph per (batch bucket, context bucket). Padding
-    requests draft into the scratch block of the draft cache, whose block id fills their tables."""
+    """The head's extension over committed rows, one graph per (batch bucket, window, context bucket), and
+    its greedy chain steps after the first, one per (batch bucket, context bucket). Padding requests draft
+    into the scratch block of the draft cache, whose block id fills their tables; a request's padding rows
+    (fewer committed rows than the window) write to the scratch slot and their outputs are dropped."""
 
     def __init__(self, proposer, contexts: tuple[int, ...]):
         self.proposer, self.contexts = proposer, contexts
         self.scratch_block = scratch_slot([proposer.kv]) // proposer.block_size
-        self.graphs: dict[tuple[int, int], object] = {}
-        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self.scratch = scratch_slot([proposer.kv])
+        self.extends = os.environ.get("TSENGINE_EXTEND_GRAPHS", "0") == "1"  # opt-in: see the module docstring
+        self.graphs: dict[tuple, object] = {}
+        self.compile_seconds: dict[tuple, float] = {}
+
+    def _graph(self, key: tuple, fn):
+        global _compiles
+        graph = self.graphs.get(key)
+        if graph is None:
+            _compiles += 1
+            graph = self.graphs[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+        return graph
+
+    def _timed(self, key: tuple, what: str, t0: float) -> None:
+        if key not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
+            self.compile_seconds[key] = time.perf_counter() - t0
+            log.info("compiled the %s graph (%d requests, ctx %d) in %.1f s", what, key[1], key[-1],
+                     self.compile_seconds[key])
+
+    def extend(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor) -> torch.Tensor | None:
+        """The head's outputs [T, H] over the runs' committed rows (per run: block table, first position,
+        rows; `ids` the tokens fed at them, `aux` [T, 3H] their features), in the runs' order; None when
+        they fit no graph (a prefill chunk longer than the largest window) or the graph is off, and the caller
+        runs eagerly."""
+        if not self.extends:
+            return None
+        bs = self.proposer.block_size
+        window = _bucket(max(n for _, _, n in runs), EXTEND_WINDOWS)
+        size = _bucket(len(runs), BATCH_BUCKETS)
+        context = _bucket(max(start + n for _, start, n in runs), self.contexts)
+        if window is None or size is None or context is None:
+            return None
+        total = len(ids)
+        positions, slots, feed, src, real, t = [], [], [], [], [], 0
+        for b, (table, start, n) in enumerate(runs):  # host bookkeeping, as Context.build's
+            for r in range(window):
+                positions.append(start + r)
+                real_row = r < n
+                slots.append(slot(table, start + r, bs) if real_row else self.scratch)
+                feed.append(ids[t] if real_row else 0)
+                src.append(t if real_row else total)  # `total`: the zero row appended below
+                if real_row:
+                    real.append(b * window + r)
+                    t += 1
+        rows_pad = (size - len(runs)) * window
+        dev = aux.device
+        cols = context // bs  # blocks held past the context bucket are never read
+        tables = [table[:cols] + [0] * (cols - len(table[:cols])) for table, _, _ in runs]
+        tables += [[self.scratch_block] * cols] * (size - len(runs))
+        lens = [start + n for _, start, n in runs] + [1] * (size - len(runs))
+
+        def long(x):
+            return torch.tensor(x, dtype=torch.long).to(dev)
+
+        feats = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])[long(src + [total] * rows_pad)]
+        key = ("extend", size, window, context)
+        graph, t0 = self._graph(key, functools.partial(extend_step, self.proposer, window)), time.perf_counter()
+        out = graph(long(feed + [0] * rows_pad), feats, long(positions + [0] * rows_pad),
+                    long(slots + [self.scratch] * rows_pad), long(tables), long(lens))
+        self._timed(key, f"head extension (window {window})", t0)
+        return out[long(real)]
 
     def chain(self, steps: int, first, hidden, pos, tables):
         """[D, steps + 1] draft ids: `first` and `steps` more; None when the batch or its tables fit no bucket."""
@@ -161,20 +240,12 @@ class DraftGraphs:
         if pad:
             first, pos = torch.cat([first, first.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-        global _compiles
-        key = size, context
-        graph = self.graphs.get(key)
-        if graph is None:
-            _compiles += 1
-            graph = self.graphs[key] = torch.compile(functools.partial(draft_step, self.proposer), fullgraph=True,
-                                                     dynamic=False, options={"cpp_wrapper": True})
+        key = ("draft", size, context)
+        graph = self._graph(key, functools.partial(draft_step, self.proposer))
         drafts = [first]
         for _ in range(steps):
             t0, pos = time.perf_counter(), pos + 1
             ids, hidden = graph(drafts[-1], hidden, pos, padded)
             drafts.append(ids)
-            if key not in self.compile_seconds:
-                self.compile_seconds[key] = time.perf_counter() - t0
-                log.info("compiled the %d-request draft step graph (ctx %d) in %.1f s", size, context,
-                         self.compile_seconds[key])
+            self._timed(key, "draft step", t0)
         return torch.stack(drafts, dim=1)[:d]

@@ -68,16 +68,17 @@ class Eagle3Proposer:
             last, need = [], []
         dev = proposal.aux.device
         long = dict(dtype=torch.long, device=dev)
-        ctx = Context.build(runs, self.block_size, dev)
-        width = max(len(q.table) for q in need) if need else 0
-        tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
-        rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
-        out = self._extend_and_draft(torch.tensor(ids, **long), proposal.aux[torch.tensor(rows, **long)], ctx,
-                                     torch.tensor(last, **long), tables, rp, steps, tree)
+        out, positions = self._extend(runs, ids, proposal.aux[torch.tensor(rows, **long)])
+        if need:
+            width = max(len(q.table) for q in need)
+            tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
+            rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
+            last = torch.tensor(last, **long)
+            out = self._draft(out[last], positions[last], tables, rp, steps, tree)
         for c in proposal.runs:  # the head's KV now covers these runs, where it covered what came before
             if c.seq.draft_cached == c.start:
                 c.seq.draft_cached = c.start + len(c.rows)
-        if out is None:
+        if not need:
             return []
         if isinstance(out, Tree):
             drafts = [Drafts(out.tokens[j, 1:], Tree(None, out.parents[j], out.depths[j], out.ancestors[j]))
@@ -155,21 +156,26 @@ class Eagle3Proposer:
         tree.tokens = self.draft_ids_in_target[tree.tokens]
         return tree
 
-    @torch.no_grad()
-    def _extend_and_draft(self, ids: torch.Tensor, aux: torch.Tensor, ctx: Context, last_rows: torch.Tensor,
-                         tables: torch.Tensor, rp: RowParams, steps: int | None, tree: tuple[int, int, int] | None):
-        """Extend the draft cache over ctx's runs, then draft `steps` tokens (or a `tree` of shape (S, K, N))
-        for the requests whose last extended row is `last_rows` [D] (their block tables `tables` [D, M],
-        sampling rows `rp`). Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None),
-        a `Tree` of target ids, or None when no request drafts."""
-        out = self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx)
-        if last_rows.numel() == 0:
-            return None
-        hidden = out[last_rows]
-        pos = ctx.positions[last_rows]  # draft position of the chain's first input; it drafts token pos + 2
+    def _extend(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor):
+        """The head's layer over the runs' committed rows (fed `ids` and the target's features `aux`), writing
+        its KV: ([T, H] outputs, [T] draft positions). Through a compiled graph where the runs fit one."""
+        out = self.graphs.extend(runs, ids, aux) if self.graphs is not None else None
+        if out is not None:
+            positions = [start + r for _, start, n in runs for r in range(n)]
+            return out, torch.tensor(positions, dtype=torch.long).to(aux.device)
+        ctx = Context.build(runs, self.block_size, aux.device)
+        ids = torch.tensor(ids, dtype=torch.long, device=aux.device)
+        return self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx), ctx.positions
+
+    def _draft(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams,
+               steps: int | None, tree: tuple[int, int, int] | None):
+        """Draft `steps` tokens (or a `tree` of shape (S, K, N)) from the head's outputs `hidden` [D, H] at the
+        requests' last extended rows, at draft positions `pos` [D] (block tables `tables` [D, M], sampling
+        rows `rp`). Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None), or a
+        `Tree` of target ids."""
         if tree is not None:
             return self._tree(hidden, pos, tables, rp, tree)
-        first, q = self._choose(hidden, rp, pos + 2)
+        first, q = self._choose(hidden, rp, pos + 2)  # pos: the chain's first input; it drafts token pos + 2
         if steps > 1 and q is None and rp.all_greedy and self.graphs is not None:
             chain = self.graphs.chain(steps - 1, first, hidden, pos, tables)
             if chain is not None:
