@@ -164,8 +164,8 @@ class DraftGraphs:
 
     def __init__(self, proposer, contexts: tuple[int, ...]):
         self.proposer, self.contexts = proposer, contexts
-        self.scratch_block = scratch_slot([proposer.kv]) // proposer.block_size
         self.scratch = scratch_slot([proposer.kv])
+        self.scratch_block = self.scratch // proposer.block_size
         self.extends = os.environ.get("TSENGINE_EXTEND_GRAPHS", "0") == "1"  # opt-in: see the module docstring
         self.graphs: dict[tuple, object] = {}
         self.compile_seconds: dict[tuple, float] = {}
