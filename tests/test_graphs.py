@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import PROMPTS, random_workload
 from tsengine.context import Context
-from tsengine.graphs import Shape
+from tsengine.graphs import Heat, Shape
 from tsengine.kv_cache import scratch_slot
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -84,6 +84,7 @@ def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, 
     spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
     eagle = _llm(tiny_dirs, False, spec).engine.proposer
     eagle.graphs.extends = True  # opt-in (TSENGINE_EXTEND_GRAPHS=1)
+    eagle.graphs.heat = Heat(after=1)  # compiled on first sight
     k_cache, v_cache = eagle.kv
     k_cache.normal_()
     v_cache.normal_()
@@ -123,6 +124,39 @@ def test_which_steps_take_a_graph(tiny_dirs):
     assert step(5, verify=False) is None  # a prefill chunk
     assert step(*[1] * 65) is None  # above the largest batch bucket
     assert g.contexts[0] == 256 and g.contexts[-1] >= r.max_model_len
+
+
+def test_a_shape_compiles_once_hot_and_a_rare_one_never():
+    """A shape met once (an exploration step) runs eagerly; one met on `after` steps within the window
+    compiles; one met every `window` steps never does."""
+    heat = Heat(after=3, window=8)
+    seen = []
+    for step in range(40):
+        heat.tick()
+        seen.append(("rare", heat.hot("rare")) if step % 8 == 0 else ("common", heat.hot("common")))
+    rare = [hot for key, hot in seen if key == "rare"]
+    common = [hot for key, hot in seen if key == "common"]
+    assert not any(rare)
+    assert common[:2] == [False, False] and all(common[2:])
+
+
+def test_the_engine_runs_a_shape_eagerly_until_it_is_hot(tiny_dirs):
+    """The target's step graph: no graph for a shape's first two steps, its graph from the third."""
+    llm = _llm(tiny_dirs, False, max_num_seqs=3)
+    g, ran = llm.engine.runner.compiled, []
+    forward = g.forward
+
+    def spy(shape, ids, ctx):
+        ran.append(shape)
+        return forward(shape, ids, ctx)
+
+    g.forward = spy
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    from types import SimpleNamespace as NS
+
+    decode = g.shape_for([NS(num_tokens=1, verify=False, seq=NS(capture=None))], NS(max_ctx=1), tree=False)
+    assert ran and all(s == decode for s in ran)
+    assert len(ran) == 5 - 2  # 5 decode steps after the prefill, the first two eager
 
 
 def test_random_workload_compiled_with_preemption(tiny_dirs, heads):

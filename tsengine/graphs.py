@@ -17,8 +17,13 @@ The EAGLE-3 head has graphs of its own (`DraftGraphs`): each greedy chain step a
 shown no gain yet (chain 1 at 16 requests: 0.83× plain with it, 0.85× before) and adds shapes that compile
 lazily, which stalled an adaptive server's timed rounds (docs/benchmarks.md, issue 15).
 
-Graphs compile lazily, on the first step of their shape, and are logged with their compile time; torch's
-FX graph cache keeps them on disk, so a restart recompiles a known shape in seconds, not ~40 s. On CUDA the
+Graphs compile lazily, once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph
+steps; until then it runs eagerly), and are logged with their compile time; torch's FX graph cache keeps
+them on disk, so a restart recompiles a known shape in seconds, not ~40 s. Why not on the first step: a
+compile stalls every request in the batch for ~40 s, and a shape met once (an adaptive server's exploration
+step, one step in 128 at 16 requests) never earns that back: compiled on first sight, exploration stalled
+two of three timed rounds of a 16-request benchmark (7.8 and 71.7 tok/s against 132 without a compile,
+docs/benchmarks.md). A shape a fixed configuration runs is hot after two eager steps. On CUDA the
 same static step is what a CUDA graph would capture; that path is unmeasured (no GPU has run it) and off.
 """
 
@@ -41,6 +46,8 @@ log = logging.getLogger("tsengine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 EXTEND_WINDOWS = (1, 4, 8)  # committed rows per request the head's extension pads to (a chain of 3 commits 1-4)
 MIN_CONTEXT = 256
+HOT_AFTER = 3  # a shape compiles on its third step within HOT_WINDOW graph-eligible steps
+HOT_WINDOW = 64
 _compiles = 0  # graphs compiled (or loaded from torch's cache) in this process
 
 
@@ -60,6 +67,25 @@ class Shape:
     @property
     def name(self) -> str:
         return f"{self.batch}x{self.window}{' tree' if self.tree else ''} ctx {self.context}"
+
+
+class Heat:
+    """Which shapes are worth a compile: those met `after` times within the last `window` graph-eligible
+    steps (the clock ticks once per target step that fits a graph). One per engine, shared by the target's
+    and the head's graphs, so both count in target steps."""
+
+    def __init__(self, after: int = HOT_AFTER, window: int = HOT_WINDOW):
+        self.after, self.window, self.clock = after, window, 0
+        self._seen: dict[object, list[int]] = {}
+
+    def tick(self) -> None:
+        self.clock += 1
+
+    def hot(self, key) -> bool:
+        """Records one step of `key`'s shape; True once it has been met `after` times lately."""
+        recent = [t for t in self._seen.get(key, ()) if self.clock - t < self.window] + [self.clock]
+        self._seen[key] = recent[-self.after:]
+        return len(recent) >= self.after
 
 
 def _bucket(n: int, buckets) -> int | None:
@@ -90,6 +116,7 @@ class CompiledSteps:
         self.contexts = tuple(contexts + [top])
         self.graphs: dict[Shape, object] = {}
         self.compile_seconds: dict[Shape, float] = {}
+        self.heat = Heat()
         self.steps = 0  # steps run through a graph (the rest ran eagerly)
         # one graph per shape, and never a dynamic one: a shape change is a new graph, not a recompile of the
         # last one with symbolic sizes (slower, above)
@@ -106,6 +133,12 @@ class CompiledSteps:
         if size is None or context is None:
             return None
         return Shape(size, window, context, tree)
+
+    def ready(self, shape: Shape) -> bool:
+        """Whether this step runs through `shape`'s graph: compiled already, or hot enough to compile now.
+        Ticks the clock: call it once per step that fits a graph."""
+        self.heat.tick()
+        return self.heat.hot(shape) or shape in self.graphs
 
     def forward(self, shape: Shape, input_ids: torch.Tensor, ctx: Context):
         """(hidden, aux, logits) of the real rows: the step padded to `shape`, run through its graph."""
@@ -162,8 +195,8 @@ class DraftGraphs:
     into the scratch block of the draft cache, whose block id fills their tables; a request's padding rows
     (fewer committed rows than the window) write to the scratch slot and their outputs are dropped."""
 
-    def __init__(self, proposer, contexts: tuple[int, ...]):
-        self.proposer, self.contexts = proposer, contexts
+    def __init__(self, proposer, contexts: tuple[int, ...], heat: Heat | None = None):
+        self.proposer, self.contexts, self.heat = proposer, contexts, heat or Heat()
         self.scratch = scratch_slot([proposer.kv])
         self.scratch_block = self.scratch // proposer.block_size
         self.extends = os.environ.get("TSENGINE_EXTEND_GRAPHS", "0") == "1"  # opt-in: see the module docstring
@@ -171,8 +204,11 @@ class DraftGraphs:
         self.compile_seconds: dict[tuple, float] = {}
 
     def _graph(self, key: tuple, fn):
+        """`key`'s graph, compiled now if it is hot; None while it is not (the caller runs eagerly)."""
         global _compiles
         graph = self.graphs.get(key)
+        if graph is None and not self.heat.hot(key):
+            return None
         if graph is None:
             _compiles += 1
             graph = self.graphs[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
@@ -222,16 +258,23 @@ class DraftGraphs:
         feats = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])[long(src + [total] * rows_pad)]
         key = ("extend", size, window, context)
         graph, t0 = self._graph(key, functools.partial(extend_step, self.proposer, window)), time.perf_counter()
+        if graph is None:
+            return None
         out = graph(long(feed + [0] * rows_pad), feats, long(positions + [0] * rows_pad),
                     long(slots + [self.scratch] * rows_pad), long(tables), long(lens))
         self._timed(key, f"head extension (window {window})", t0)
         return out[long(real)]
 
     def chain(self, steps: int, first, hidden, pos, tables):
-        """[D, steps + 1] draft ids: `first` and `steps` more; None when the batch or its tables fit no bucket."""
+        """[D, steps + 1] draft ids: `first` and `steps` more; None when the batch or its tables fit no bucket,
+        or its graph is not hot yet."""
         d, bs = first.shape[0], self.proposer.block_size
         size, context = _bucket(d, BATCH_BUCKETS), _bucket(tables.shape[1] * bs, self.contexts)
         if size is None or context is None:
+            return None
+        key = ("draft", size, context)
+        graph = self._graph(key, functools.partial(draft_step, self.proposer))
+        if graph is None:
             return None
         padded = tables.new_full((size, context // bs), self.scratch_block)
         padded[:d] = 0
@@ -240,8 +283,6 @@ class DraftGraphs:
         if pad:
             first, pos = torch.cat([first, first.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-        key = ("draft", size, context)
-        graph = self._graph(key, functools.partial(draft_step, self.proposer))
         drafts = [first]
         for _ in range(steps):
             t0, pos = time.perf_counter(), pos + 1

@@ -102,6 +102,8 @@ class ModelRunner:
                 ctx.set_trees(windows.flat_rows, windows.starts, windows.depths, windows.ancestors)
         rows = torch.tensor(drawing, dtype=torch.long).to(dev, non_blocking=True)
         shape = self.compiled.shape_for(batch, ctx, windows is not None and windows.is_tree) if self.compiled else None
+        if shape is not None and not self.compiled.ready(shape):  # not hot yet: eager (tsengine/graphs.py)
+            shape = None
         if shape is not None:  # a decode or verify step of one shape: its compiled graph (every row draws)
             hidden, aux, logits = self.compiled.forward(shape, input_ids, ctx)
             logits = logits[rows]

@@ -178,14 +178,24 @@ class AdaptivePolicy:
             stats(c.seq, self.steps).observe(d.source, drafted, accepted)
         if proposal.target_seconds > 0 and proposal.prefill_rows == 0:  # decode steps only: the choice never
             # changes a step's prefill work, and long prefill rows would pull the decode line off its range
-            self.graphs_seen |= proposal.graph
+            if proposal.graph and not self.graphs_seen:  # the eager one-row steps before it were not the norm
+                self.graphs_seen, self.one_row = True, RunningMean()
             if proposal.decode_rows == 1:
-                self.one_row.observe(proposal.target_seconds)
+                if proposal.graph or not self.graphs_seen:
+                    self.one_row.observe(proposal.target_seconds)
             else:
                 self.target_cost.update([1.0, float(not proposal.graph), proposal.decode_rows - tree_rows, tree_rows],
                                         proposal.target_seconds)
             last = self.last
-            if last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None:
+            mixed = 0 < last.sources.count("plain") < len(last.sources)
+            # a step whose shape was not hot yet ran eagerly (tsengine/graphs.py `Heat`): its cost is the
+            # line's eager term, not what its arm delivers once chosen, so the arm's correction skips it
+            cold = self.graphs_seen and not proposal.graph and not mixed
+            # a warm-up step was priced by lines fitted from nothing: a chain of 1 at 16 requests, promised
+            # 2,963 tok/s, kept a ratio of 0.28 for good (a kind learns only when chosen)
+            warm_up = self.decisions <= len(self.arms)
+            if (last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None
+                    and not cold and not warm_up):
                 seconds = proposal.target_seconds + self.last_draft_seconds
                 # clamped: lines fitted from a handful of steps can promise a million tokens per second, and
                 # one such step would hold a kind's ratio near 0 for a thousand steps
