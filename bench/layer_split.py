@@ -4,10 +4,13 @@ Each piece of every layer is timed with perf_counter around the same calls `Laye
 is synchronous, so the wall time of a piece is its cost, dispatch included), summed over `--forwards`
 forwards of one token at position `--position`:
 
-    python bench/layer_split.py [--target smollm2-135m --forwards 100 --position 100] [--thread] [--compiled]
+    python bench/layer_split.py [--target smollm2-135m --forwards 100 --position 100] [--thread] [--compiled
+        [--rows 1,4]]
 
 `--compiled` profiles the compiled step graph instead (tsengine/graphs.py): the pieces are fused there, so
-it lists torch profiler's ops (the matmuls, inductor's fused C++ kernels) per forward, and the wall time.
+it lists torch profiler's ops (the matmuls, inductor's fused C++ kernels) per forward, and the wall time;
+`--rows` times a verify window of each row count too (one graph each, rounds alternating in one process),
+and prints each one's wall time against the first's: issue 16's "4-row verify ≤ 1.1× a 1-row decode".
 
 `--thread` runs the loop on a second thread while the main thread keeps the pool it loaded the model
 with (the OpenMP pool effect in docs/benchmarks.md).
@@ -37,6 +40,8 @@ def main() -> None:
     ap.add_argument("--position", type=int, default=100)
     ap.add_argument("--thread", action="store_true")
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--rows", default="1", help="with --compiled: rows per step to time, comma-separated (1: a "
+                    "decode step; more: a verify window), e.g. 1,4")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
     if a.compiled:
@@ -90,41 +95,57 @@ def main() -> None:
 
 
 def compiled_profile(a) -> None:
+    import statistics
+
     from torch.profiler import ProfilerActivity, profile
 
     from tsengine.context import Context
-    from tsengine.graphs import Shape
     from tsengine.llm import LLM
     from tsengine.targets import resolve
 
     r = LLM(resolve(a.target), max_num_seqs=1, enforce_eager=False).engine.runner
-    table = list(range(-(-(a.position + 1) // r.block_size)))
-    ids = torch.tensor([1000])
+    table = list(range(-(-(a.position + 16) // r.block_size)))
 
-    def forward():
-        ctx = Context.build([(table, a.position, 1)], r.block_size, "cpu")
-        return r.compiled.forward(r.compiled.shape_for([_Run()], ctx, False), ids, ctx)
+    def step(rows: int):
+        ids = torch.full((rows,), 1000)
+        run = _Run(rows)
 
-    forward()  # compiles (or loads) the graph
-    t0 = time.perf_counter()
-    for _ in range(a.forwards):
-        forward()
-    wall = (time.perf_counter() - t0) / a.forwards
+        def forward():
+            ctx = Context.build([(table, a.position, rows)], r.block_size, "cpu")
+            return r.compiled.forward(r.compiled.shape_for([run], ctx, False), ids, ctx)
+        return forward
+
+    steps = {n: step(n) for n in (int(x) for x in a.rows.split(","))}
+    for forward in steps.values():
+        forward()  # compiles (or loads) the graph
+    walls: dict[int, list[float]] = {n: [] for n in steps}
+    for _ in range(5):  # rounds alternating between the row counts: machine drift hits each alike
+        for n, forward in steps.items():
+            t0 = time.perf_counter()
+            for _ in range(max(1, a.forwards // 5)):
+                forward()
+            walls[n].append((time.perf_counter() - t0) / max(1, a.forwards // 5))
+    first = next(iter(steps))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(a.forwards):
-            forward()
-    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
-    print("| op (compiled graph, self time) | calls per forward | ms per forward |\n| --- | --- | --- |")
-    for e in rows:
+            steps[first]()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
+    print(f"| op (compiled graph, {first} row(s), self time) | calls per forward | ms per forward |\n| --- | --- | --- |")
+    for e in ops:
         print(f"| {e.key[:60]} | {e.count / a.forwards:.0f} | {e.self_cpu_time_total / a.forwards / 1e3:.2f} |")
-    print(f"| wall time per forward (unprofiled) | | {wall * 1e3:.2f} |")
+    base = statistics.median(walls[first])
+    print("\n| rows per step | wall ms per forward (median of 5 rounds) | vs the first |\n| --- | --- | --- |")
+    for n, w in walls.items():
+        print(f"| {n} | {statistics.median(w) * 1e3:.2f} | {statistics.median(w) / base:.2f}x |")
 
 
 class _Run:
-    """A one-token decode run, as `CompiledSteps.shape_for` reads it."""
+    """A decode run (1 row) or a chain verify window (more), as `CompiledSteps.shape_for` reads it."""
 
-    num_tokens, verify = 1, False
     seq = type("Seq", (), {"capture": None})()
+
+    def __init__(self, rows: int):
+        self.num_tokens, self.verify = rows, rows > 1
 
 
 if __name__ == "__main__":
