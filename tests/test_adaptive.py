@@ -273,6 +273,29 @@ def test_one_wild_prediction_does_not_pin_a_correction():
     assert p.correction("chain 3", 4) > 0.8
 
 
+def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
+    """A warm-up step (priced by lines fitted from nothing) and a step that ran eagerly only because its
+    shape had no graph yet (tsengine/graphs.py `Heat`) teach an arm's correction nothing; the same step
+    through its graph does."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    assert plan.arm == Arm(3)
+
+    def step(graph: bool) -> None:
+        p.learn_draft(16, plan, 0.002)
+        p.learn(Proposal([], None, decode_rows=16, target_seconds=0.0116, graph=graph,
+                         tokens=max(1, round(0.3 * plan.raw_tokens_per_s * 0.0136))))
+
+    step(graph=False)  # a chain of 3 for all 4 requests is uniform: eager only because it was cold
+    assert p.correction("chain 3", 4) == 1.0
+    decisions, p.decisions = p.decisions, len(p.arms)  # the last plan was the warm-up's last
+    step(graph=True)
+    assert p.correction("chain 3", 4) == 1.0
+    p.decisions = decisions
+    step(graph=True)
+    assert p.correction("chain 3", 4) < 1.0
+
+
 def test_the_head_switches_off_where_it_cannot_pay_and_back_on():
     """Drafting costs 5 target steps: within 2·`switch_after` decisions (not at the first) the head's upkeep
     stops (and its plans draft nothing from it); once drafting is cheap again it comes back."""

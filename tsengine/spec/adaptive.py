@@ -1,68 +1,20 @@
 """Adaptive speculation: every step, the way of running the next step that maximises its predicted tokens per
 second, from acceptance and costs measured while serving (`tsengine/spec/estimates.py`); the plan is run by
-`tsengine/spec/adaptive_proposer.py`.
+`tsengine/spec/adaptive_proposer.py`. Why each rule below is shaped as it is (the measurements that forced
+it) and the tests that guard it: docs/design/adaptive.md. In short:
 
-The choices (`Arm`): plain decoding; an EAGLE-3 chain of k = 1..S drafts; the configured EAGLE-2 tree (and
-a small 3x2x6 tree beside a larger one). Within a chain of length k each request is decided apart: it
-drafts from the head, from prompt lookup (NGRAM, where its own tokens offer a continuation), or not at
-all, whichever its own running acceptance (shrunk towards the average) says commits more. That is the
-hybrid drafter in its cheap form: one batch, one target forward, two sources; a tree whose branches mix
-both sources is not built (see docs/speculation-guide.md).
+- Choices (`Arm`): plain; an EAGLE-3 chain of k = 1..S, each request drafting from the head, from prompt
+  lookup or not at all, whichever its own record says commits more; the configured tree (and a small one).
+- Prediction: tokens (counted by the time they save where a batch ends together, `_worth_ratio`) over
+  seconds (the target's step from a fitted line, the head's extension and drafting, the rest of the step),
+  corrected by what each kind delivered at this batch bucket (`Correction`). Several requests with none
+  queued: speculation must be predicted `MARGIN` faster than plain.
+- The head's upkeep (its extension over committed rows) is switched off where the best step with it does
+  not beat the best without it, with hysteresis, and probed again every `reprobe` decisions.
+- Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up.
 
-The prediction for B decoding requests, m of which draft (k tokens each, E of them from the head), with
-expected gains g_j (tokens beyond the one plain decoding gives):
-    tokens   = B + Σ g_j, counted by the time they save (`_worth_ratio`)
-    seconds  = target(B + m·k rows) + drafter(extension, k forwards over E·k rows) + the rest of the step
-A token is worth what it saves. A request done sooner frees its slot for the next one, so every token
-counts, except in a batch that will end together with nothing queued: there a request done sooner only
-leaves, the steps go on until the others are done, and the step's base cost is saved only by the gain of
-the least gaining request; the rest of a token's gain is its row. Counted per token, prompt lookup for 6 of
-16 requests that started together (τ 1.44) was chosen, and ran 10% below plain. (Ends are known when
-requests ignore EOS; where any may stop sooner, each is as likely to be the last, and the expected saving
-is again one token's. A batch whose requests started apart is taken to be refilled as it empties, as a
-client with more to send does: counted there by the least gaining, the newest request's gain was worth
-the batch's (3× its tokens at 4 requests), and a server drafting by lookup ran 13% below plain.)
-Speculation is also all or nothing across the batch (every request with a source worth `MIN_GAIN` drafts),
-and, with several requests and none queued, must be predicted `MARGIN` (1.05×) faster than plain: requests
-accept at different rates, so such a batch thins out before its slowest request is done (measured at 16
-requests: the chain of 1, predicted and per step delivering 5% above plain, finished 10% below it).
-
-The costs are lines fitted by recursive least squares (`LinearCost`): the target's step as base + eager
-(a step mixing decodes and windows runs without a graph) + per chain row + per tree row (bitmask
-attention costs more), with the one-row step (another matmul kernel) as a running mean of its own; the
-head's as base + per extended row + per sequential head forward + per drafted row. One model for every
-arm, so a length the policy has rarely chosen is still priced from what every other step taught it.
-
-The head's upkeep: it extends its one layer over the committed rows of every request it may draft for, so
-that drafting can resume at any step; eager, ~2.5 ms a step (~10% of a compiled batch-1 step), paid by
-plain steps too. So every decision also asks whether the head pays at this load: the best step with the
-head (upkeep priced in) against the best without it (plain or prompt lookup), for requests like these.
-When the running mean of that ratio (over ~16 decisions) drops below 1, the head is switched off (no
-extension); at `MARGIN`, it comes back. Its line (`draft_cost`) learns only while it runs, so its base is
-what a head-free step saves; the rest of a step (prompt lookup, the decision, commit, outputs, the
-server's loop) has its own (`overhead_cost`): every plan pays it, so it favours plans with more tokens. A request
-whose positions it skipped (`PerRequest.head_gap`) never drafts from it again (until a recompute), and is
-not extended over either. Off, its estimates do not move, so it is tried again every `reprobe` (256)
-decisions; on again, it is judged only after drafting `JUDGE_AFTER` (64) windows or `USABLE_FOR` (16)
-decisions in which some request could have used it (judged at once, it was switched off before any such
-request arrived; judged on windows alone, it stayed on for good where plain steps were chosen anyway:
-docs/benchmarks.md). Corrections keep the two regimes apart ("plain" and "plain headless").
-
-The lines are right on average, not at every load: a step's cost is not linear in its rows on a CPU, and
-the head's acceptance depends on the prompts of the moment. So every plan's prediction is corrected by
-what that arm actually delivered at that batch size: realized / predicted tokens as a ratio of decayed
-sums (`Correction`, per arm and main source and power-of-two batch bucket, over the steps without
-prefill rows). Near a break-even, where a small bias in either model picks the wrong side, the realized
-rate decides.
-
-Exploration: the first steps try each arm once, then one step in `explore_every` (32; × B/4 at a batch of
-B > 4 requests, where a step off the best wastes B requests' time) runs a random runner-up predicted
-within 30% of the best (or a neighbouring chain length), so estimates stay alive without paying for
-hopeless arms. The decision is random; the output never is.
-
-Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's:
-greedy token for token, seeded sampling identical (tests/test_adaptive.py forces random plans through
-`AdaptivePolicy.choose`, trees and NGRAM included, with chunked prefill and preemption).
+Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's
+(tests/test_adaptive.py forces random plans through `AdaptivePolicy.choose`).
 """
 
 from __future__ import annotations
@@ -266,8 +218,8 @@ class AdaptivePolicy:
         return tps * self._worth_ratio(gains) if worth else tps
 
     def _worth_ratio(self, gains: list[float]) -> float:
-        """The step's tokens counted by the time they save, over the tokens it commits (1: all count; see the
-        module's docstring). For one request, or gains alike across the batch, the two counts agree."""
+        """The step's tokens counted by the time they save, over the tokens it commits (1: all count; see
+        docs/design/adaptive.md). For one request, or gains alike across the batch, the two counts agree."""
         batch, extra = len(gains), sum(gains)
         if not self._together or extra <= 0:
             return 1.0
