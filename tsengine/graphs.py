@@ -138,7 +138,7 @@ class CompiledSteps:
         """Whether this step runs through `shape`'s graph: compiled already, or hot enough to compile now.
         Ticks the clock: call it once per step that fits a graph."""
         self.heat.tick()
-        return self.heat.hot(shape) or shape in self.graphs
+        return shape in self.graphs or self.heat.hot(shape)
 
     def forward(self, shape: Shape, input_ids: torch.Tensor, ctx: Context):
         """(hidden, aux, logits) of the real rows: the step padded to `shape`, run through its graph."""
@@ -207,9 +207,7 @@ class DraftGraphs:
         """`key`'s graph, compiled now if it is hot; None while it is not (the caller runs eagerly)."""
         global _compiles
         graph = self.graphs.get(key)
-        if graph is None and not self.heat.hot(key):
-            return None
-        if graph is None:
+        if graph is None and self.heat.hot(key):
             _compiles += 1
             graph = self.graphs[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
         return graph
@@ -232,6 +230,10 @@ class DraftGraphs:
         size = _bucket(len(runs), BATCH_BUCKETS)
         context = _bucket(max(start + n for _, start, n in runs), self.contexts)
         if window is None or size is None or context is None:
+            return None
+        key = ("extend", size, window, context)
+        graph = self._graph(key, functools.partial(extend_step, self.proposer, window))
+        if graph is None:
             return None
         total = len(ids)
         positions, slots, feed, src, real, t = [], [], [], [], [], 0
@@ -256,10 +258,7 @@ class DraftGraphs:
             return torch.tensor(x, dtype=torch.long).to(dev)
 
         feats = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])[long(src + [total] * rows_pad)]
-        key = ("extend", size, window, context)
-        graph, t0 = self._graph(key, functools.partial(extend_step, self.proposer, window)), time.perf_counter()
-        if graph is None:
-            return None
+        t0 = time.perf_counter()
         out = graph(long(feed + [0] * rows_pad), feats, long(positions + [0] * rows_pad),
                     long(slots + [self.scratch] * rows_pad), long(tables), long(lens))
         self._timed(key, f"head extension (window {window})", t0)
