@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from tests.helpers import PROMPTS, make_llm, serving
@@ -400,24 +401,110 @@ def test_config_forms():
         SpeculativeConfig.resolve(algorithm="NGRAM", adaptive=True)
 
 
+class RecordingHead:
+    """Stands for the EAGLE-3 proposer: records the runs (and their features) it was asked to extend over."""
+
+    def propose(self, proposal, only=None, **shape):
+        self.extended = [(c.seq.request_id, c.start, proposal.aux[c.rows].tolist() if proposal.aux is not None
+                          else None) for c in proposal.runs]
+        for c in proposal.runs:
+            c.seq.draft_cached = c.start + len(c.rows)
+        return [None] * len(only)
+
+
+class NoLookup:
+    def lookup(self, seq):
+        return None
+
+
 def test_the_head_extends_only_over_requests_it_can_draft_for():
-    """A request whose positions the head skipped while it was off never drafts from it again (its draft
-    cache has a hole): the head's upkeep, its extension, is not spent on that request's rows."""
-
-    class Head:
-        def propose(self, proposal, only=None, **shape):
-            self.extended = [c.seq.request_id for c in proposal.runs]
-            return [None] * len(only)
-
-    class NoLookup:
-        def lookup(self, seq):
-            return None
-
-    head = Head()
+    """A request with a hole in the head's cache (`head_gap`) never drafts from it again (until a
+    recompute): the head's upkeep, its extension, is not spent on that request's rows."""
+    head = RecordingHead()
     proposer = AdaptiveProposer(head, NoLookup(), 3)
     skipped, fresh = (Sequence(r, [1] * 10, SamplingParams(max_tokens=8), 0) for r in ("skipped", "fresh"))
     skipped.num_cached, skipped.draft_cached = 9, 4
     stats(skipped, 3).head_gap = True
     runs = [Committed(skipped, 8, [0], True), Committed(fresh, 0, list(range(1, 10)), True)]
     proposer.propose(Proposal(runs, None, decode_rows=1, prefill_rows=9))
-    assert head.extended == ["fresh"] and proposer.policy.head_on
+    assert [r for r, _, _ in head.extended] == ["fresh"] and proposer.policy.head_on
+
+
+def test_off_the_head_keeps_the_features_and_catches_up_when_on(monkeypatch):
+    """Off, the head keeps each run's target features; on again, it extends over the kept rows and the new
+    ones in one run from where its cache ends, with those very features. Past `BACKLOG_ROWS` a request is
+    given up (`head_gap`), and a run from where the head's cache ends starts it afresh."""
+    import tsengine.spec.adaptive_proposer as module
+
+    monkeypatch.setattr(module, "BACKLOG_ROWS", 6)
+    head = RecordingHead()
+    proposer = AdaptiveProposer(head, NoLookup(), 3)
+    proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(0), ["plain"] * len(st))
+    seqs = [Sequence(r, list(range(20)), SamplingParams(max_tokens=8), 0) for r in ("kept", "long")]
+
+    def step(start, rows_of: dict[str, int]):  # every run's features: its position, as a row of 2 values
+        runs, aux = [], []
+        for seq in seqs:
+            n = rows_of[seq.request_id]
+            runs.append(Committed(seq, start[seq.request_id], list(range(len(aux), len(aux) + n)), True))
+            aux += [[float(start[seq.request_id] + i)] * 2 for i in range(n)]
+        proposer.propose(Proposal(runs, torch.tensor(aux), decode_rows=2))
+
+    step({"kept": 0, "long": 0}, {"kept": 2, "long": 2})  # on: extends from position 0
+    assert [(r, s) for r, s, _ in head.extended] == [("kept", 0), ("long", 0)]
+    proposer.policy.head_on = False
+    head.extended = []
+    step({"kept": 2, "long": 2}, {"kept": 1, "long": 4})
+    step({"kept": 3, "long": 6}, {"kept": 1, "long": 4})  # "long" now keeps 8 rows > 6: given up
+    assert head.extended == [] and stats(seqs[0], 3).backlog.rows == 2 and stats(seqs[1], 3).head_gap
+    proposer.policy.head_on = True
+    step({"kept": 4, "long": 10}, {"kept": 1, "long": 1})
+    assert head.extended == [("kept", 2, [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]])]  # kept rows, then its own
+    assert seqs[0].draft_cached == 5 and stats(seqs[0], 3).backlog is None
+    seqs[1].draft_cached = 0  # a recompute of "long" from position 0: the head may extend over it again
+    step({"kept": 5, "long": 0}, {"kept": 1, "long": 3})
+    assert [(r, s) for r, s, _ in head.extended] == [("kept", 5), ("long", 0)] and not stats(seqs[1], 3).head_gap
+
+
+def draft_kv_rows(engine, seq, upto: int) -> torch.Tensor:
+    """The head's K and V at positions [0, upto) of `seq`, gathered through its block table."""
+    k, v = engine.runner.draft_kv
+    bs = k.shape[1]
+    slots = torch.tensor([seq.table[p // bs] * bs + p % bs for p in range(upto)])
+    return torch.cat([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]], dim=-1)
+
+
+def test_a_head_switched_off_and_on_holds_what_a_head_always_on_holds(tiny_dirs, heads):
+    """The same requests and plans (a chain of 3 from the head for everyone), once with the head on
+    throughout, once switched off for a while twice: the head's cache over every position it covers is the
+    same (to float tolerance: the catch-up extends over many rows in one pass), and it covers the requests
+    to the end, so it drafts for them again once on."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+    def run(off_at: set[int]):
+        llm = adaptive_llm(tiny_dirs, heads["llama"])
+        engine, policy = llm.engine, llm.engine.proposer.policy
+        step_no = [0]
+
+        def choose(stats_, found, remaining=None, queued=0):
+            policy.head_on = step_no[0] not in off_at
+            return Plan(Arm(3), ["eagle3"] * len(found))
+
+        policy.choose = choose
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        for step_no[0] in range(30):
+            engine.step()
+        return engine, list(engine.scheduler.running)
+
+    on_engine, on_seqs = run(set())
+    off_engine, off_seqs = run(set(range(4, 10)) | set(range(14, 19)))
+    assert [s.request_id for s in on_seqs] == [s.request_id for s in off_seqs] == [f"r{i}" for i in range(4)]
+    for on, off in zip(on_seqs, off_seqs):
+        n = min(len(on.tokens), len(off.tokens))
+        assert on.tokens[:n] == off.tokens[:n]  # lossless: the same tokens, committed at other steps
+        assert not off.spec_stats.head_gap and off.draft_cached >= off.num_cached - 4, (off.draft_cached, off.num_cached)
+        upto = min(on.draft_cached, off.draft_cached)
+        assert upto > len(off.tokens) // 2
+        torch.testing.assert_close(draft_kv_rows(off_engine, off, upto), draft_kv_rows(on_engine, on, upto),
+                                   atol=1e-5, rtol=1e-4)

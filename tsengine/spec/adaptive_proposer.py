@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass, field
+
+import torch
 
 from tsengine import graphs
 from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan, stats
-from tsengine.spec.drafts import Proposal
+from tsengine.spec.drafts import Committed, Proposal
 
+BACKLOG_ROWS = 512  # target-feature rows a request keeps while the head is off (3.5 MB for SmolLM2 in fp32)
 IDLE = 0.02  # seconds between steps (beyond the forward) past which the engine was idle, not busy
 
 
 class AdaptiveProposer:
-    """The head extends over the committed rows of the requests it can draft for, while it is on."""
+    """The head extends over the committed rows of the requests it can draft for while it is on; off, it
+    keeps their target features and catches up over them when it is on again (`Backlog`)."""
 
     def __init__(self, eagle, ngram, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
                  seed: int = 0):
@@ -28,10 +33,6 @@ class AdaptiveProposer:
         policy = self.policy
         policy.learn(proposal)
         between = self._between(proposal)
-        head = policy.head_on
-        for c in proposal.runs:  # off, the head misses these rows; a run starting where the head's KV ends
-            if not head or c.start == c.seq.draft_cached:  # (position 0, or a cached prefix) rebuilds them
-                stats(c.seq, policy.steps).head_gap = not head
         need = proposal.drafting
         t0 = time.perf_counter()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
@@ -69,21 +70,82 @@ class AdaptiveProposer:
 
     def _head_drafts(self, proposal: Proposal, plan: Plan) -> tuple[list, int]:
         """The head's drafts per drafting request (None where it does not draft), and the rows it extended
-        over. It extends over the requests it can draft for only: one it skipped while off (`head_gap`)
-        never can again, and extending over its rows would be upkeep paid for nothing."""
+        over. Off, it keeps each run's target features instead (`_defer`); on, it extends over a request's
+        kept rows with its new ones, in one batched pass. A request it cannot extend over (`head_gap`) never
+        drafts from it, and its rows are not extended over: that would be upkeep paid for nothing."""
         need = proposal.drafting
-        if not self.policy.head_on:  # the choice may have switched it off (the runs were marked before)
+        if not self.policy.head_on:  # (the choice may have just switched it off)
+            self._defer(proposal)
             return [None] * len(need), 0
-        runs = [c for c in proposal.runs if not stats(c.seq, self.policy.steps).head_gap]
-        if not runs:
+        proposal = self._caught_up(proposal)
+        if not proposal.runs:
             return [None] * len(need), 0
         usable = [not seq.spec_stats.head_gap for seq in need]
         only = [e for e, ok in zip(plan.eagle, usable) if ok]
         arm = plan.arm
         shape = dict(tree=arm.shape) if arm.is_tree else dict(steps=arm.steps if any(only) else 0)
-        got = iter(self.inner.propose(dataclasses.replace(proposal, runs=runs), only=only, **shape)
-                   or [None] * len(only))
-        return [next(got) if ok else None for ok in usable], sum(len(c.rows) for c in runs)
+        got = iter(self.inner.propose(proposal, only=only, **shape) or [None] * len(only))
+        for c in proposal.runs:  # extended: nothing is kept any more
+            c.seq.spec_stats.backlog = None
+        return [next(got) if ok else None for ok in usable], sum(len(c.rows) for c in proposal.runs)
+
+    def _backlog(self, c: Committed) -> Backlog | None:
+        """The rows the head has yet to extend over before run `c`, or None where it cannot (a hole: marked
+        `head_gap` for good). A run starting where the head's KV ends (position 0, a cached prefix, a
+        recompute) starts afresh."""
+        st, seq = stats(c.seq, self.policy.steps), c.seq
+        if c.start == seq.draft_cached:
+            st.head_gap, st.backlog = False, Backlog(c.start)
+        elif st.head_gap or st.backlog is None or (st.backlog.start, st.backlog.end) != (seq.draft_cached, c.start):
+            st.head_gap, st.backlog = True, None
+        return st.backlog
+
+    def _defer(self, proposal: Proposal) -> None:
+        """Head off: keep each run's target features (a copy: the step's buffers are reused), up to
+        `BACKLOG_ROWS` a request; past that, or after a hole, the request is given up (`head_gap`)."""
+        for c in proposal.runs:
+            backlog = self._backlog(c)
+            if backlog is None:
+                continue
+            if backlog.rows + len(c.rows) > BACKLOG_ROWS or proposal.aux is None:
+                c.seq.spec_stats.head_gap, c.seq.spec_stats.backlog = True, None
+                continue
+            rows = torch.tensor(c.rows, dtype=torch.long).to(proposal.aux.device)
+            backlog.parts.append(proposal.aux[rows])
+            backlog.rows += len(c.rows)
+
+    def _caught_up(self, proposal: Proposal) -> Proposal:
+        """The runs the head extends over this step, each with the rows it kept for it while it was off
+        before its own (their features appended to the step's), and without the requests it gave up."""
+        runs, parts, at = [], [proposal.aux], proposal.aux.shape[0] if proposal.aux is not None else 0
+        for c in proposal.runs:
+            backlog = self._backlog(c)
+            if backlog is None:
+                continue
+            if backlog.rows:
+                kept = list(range(at, at + backlog.rows))
+                parts += backlog.parts
+                at += backlog.rows
+                c = dataclasses.replace(c, start=backlog.start, rows=kept + c.rows)
+            runs.append(c)
+        aux = torch.cat(parts) if len(parts) > 1 else proposal.aux
+        return dataclasses.replace(proposal, runs=runs, aux=aux)
+
+
+@dataclass
+class Backlog:
+    """Target features of positions [start, start + rows) the head has not extended over, kept while it is
+    off: on again, it catches up in one pass and drafts for the request at once. Without them, a request
+    that ran while it was off could never draft from it, so each switch (at one request, ~100 decisions
+    apart while prompt lookup found matches, measured) cost the head for the rest of that request."""
+
+    start: int
+    parts: list = field(default_factory=list)  # [rows, A] tensors of target features, in position order
+    rows: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
 
 
 def known_remaining(seq) -> int | None:
