@@ -5,7 +5,7 @@ spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decode
 
     python bench/engine_speed.py --draft DIR [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
                                  [--shapes 3,1,4;5,4,16;4,8,32] [--ngram] [--temperature 0.7] [--no-hf]
-                                 [--modes compiled,eager]
+                                 [--modes compiled,eager] [--extend-graphs]
 
 `--modes`: every engine row once per mode, side by side: compiled step graphs (the default,
 tsengine/graphs.py) and eager (`--enforce-eager`). The warm-up decodes the longest prompt to the full
@@ -97,6 +97,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ngram", action="store_true", help="also an NGRAM (prompt lookup) row, --steps tokens")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--extend-graphs", action="store_true", help="also each compiled EAGLE-3 row with the head's "
+                    "extension in a graph (TSENGINE_EXTEND_GRAPHS=1's opt-in, tsengine/graphs.py)")
     ap.add_argument("--modes", default="compiled,eager",
                     help="engine modes, one set of rows each: compiled (step graphs, the default) and/or eager")
     args = ap.parse_args()
@@ -110,9 +112,12 @@ def main() -> None:
         if args.draft:
             for shape in args.shapes.split(";"):
                 st, k, n = (int(x) for x in shape.split(","))
-                rows[f"eagle3 ({st},{k},{n}){tag}"] = LLM(path, **kw, speculative_config={
-                    "method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
-                    "num_draft_tokens": n})
+                spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
+                        "num_draft_tokens": n}
+                rows[f"eagle3 ({st},{k},{n}){tag}"] = LLM(path, **kw, speculative_config=spec)
+                if args.extend_graphs and not eager:
+                    llm = rows[f"eagle3 ({st},{k},{n}) +extend graph"] = LLM(path, **kw, speculative_config=spec)
+                    llm.engine.proposer.graphs.extends = True
         if args.ngram:
             rows[f"ngram ({args.steps}){tag}"] = LLM(path, **kw, speculative_config={
                 "method": "ngram", "num_speculative_tokens": args.steps})

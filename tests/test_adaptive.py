@@ -4,6 +4,7 @@ trees, prompt lookup, per-request sources), and a policy that follows what it me
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from tsengine.llm import LLM
 from tsengine.prometheus import PrometheusMetrics
 from tsengine.sampling import SamplingParams
 from tsengine.sequence import Sequence
-from tsengine.spec.adaptive import JUDGE_AFTER, MARGIN, USABLE_FOR, AdaptivePolicy, Arm, Plan, stats
+from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan, stats
 from tsengine.spec.adaptive_proposer import AdaptiveProposer, known_remaining
 from tsengine.spec.drafts import Committed, Proposal
 from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
@@ -39,12 +40,7 @@ def random_plans(policy: AdaptivePolicy, rng: random.Random):
     """A `choose` that ignores every estimate: a random arm, and per request a random source among those
     it has (prompt lookup only where its tokens offer a continuation)."""
 
-    calls = [0]
-
     def choose(stats, found, remaining=None, queued=0):
-        calls[0] += 1  # the head's upkeep switched off and on (prompt lookup and plain meanwhile), from the
-        if calls[0] > 12 and rng.random() < 0.2:  # 12th step: off, it skips rows, and never drafts for
-            policy.head_on = not policy.head_on  # those requests again
         arm = rng.choice(policy.arms)
         if arm.is_tree or not arm.steps:
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * len(found))
@@ -63,23 +59,24 @@ def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     llm = adaptive_llm(tiny_dirs, heads["llama"], tree=True, **kw)
     policy = llm.engine.proposer.policy
     policy.choose = random_plans(policy, random.Random(7))
-    switched, real_propose = [0], llm.engine.proposer.propose
+    proposer = llm.engine.proposer
+    caught, real_catch_up = [0], proposer._catch_up
 
-    def propose(proposal):  # counts the steps run with the head off
-        switched[0] += not policy.head_on
-        return real_propose(proposal)
+    def catch_up(runs):  # counts the runs the head extends over with rows kept since it last drafted
+        caught[0] += sum(c.seq.spec_stats.backlog.rows > 0 for c in runs)
+        return real_catch_up(runs)
 
-    llm.engine.proposer.propose = propose
+    proposer._catch_up = catch_up
     scheduler, preempted = llm.engine.scheduler, []
     real_preempt = scheduler._preempt
     scheduler._preempt = lambda seq: (preempted.append(seq), real_preempt(seq))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     assert got == want
     assert {"plain", "chain 1", "chain 3", "tree 3x2x6"} <= set(policy.chosen), policy.chosen
-    assert switched[0] > 1, switched
+    assert caught[0] > 1, caught
     assert policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0, policy.drafted_by
     stats = llm.engine.stats
-    assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0, (stats.num_drafts, stats.drafted_per_pos, policy.drafted_by, switched)
+    assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0, (stats.num_drafts, stats.drafted_per_pos, policy.drafted_by, caught)
     assert bool(preempted) == bool(blocks), len(preempted)
 
 
@@ -88,7 +85,7 @@ def test_the_policy_runs_unforced_and_stays_lossless(tiny_dirs, heads):
     llm = adaptive_llm(tiny_dirs, heads["llama"], tree=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, PARAMS * 2)] == want
     p = llm.engine.proposer.policy
-    assert p.target_cost.samples > 10 and p.draft_cost.samples > 10
+    assert p.target_cost.samples > 10 and p.draft_cost.samples > 0  # the head learns from its drafting steps only
     assert sum(p.chosen.values()) == p.decisions
     text = generate_latest(PrometheusMetrics(llm.engine).registry).decode()
     for family in ("spec_decode_draft_length", "spec_decode_acceptance_estimate{position=\"0\",source=\"ngram\"}",
@@ -256,8 +253,8 @@ def test_a_one_row_step_is_priced_from_its_own_record():
         for rows in range(2, 9):
             p.target_cost.update([1.0, 0.0, rows, 0.0], 0.015 + 0.001 * rows)
         p.one_row.observe(0.010)
-    assert p.predict(Arm(0), 1.0, 1, 0, 0, 1, head=False) == pytest.approx(100, rel=0.02)
-    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1, head=False) == pytest.approx(2 / 0.017, rel=0.02)
+    assert p.predict(Arm(0), 1.0, 1, 0, 0, 1) == pytest.approx(100, rel=0.02)
+    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1) == pytest.approx(2 / 0.017, rel=0.02)
 
 
 def test_one_wild_prediction_does_not_pin_a_correction():
@@ -297,48 +294,24 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
     assert p.correction("chain 3", 4) < 1.0
 
 
-def test_the_head_switches_off_where_it_cannot_pay_and_back_on():
-    """Drafting costs 5 target steps: within 2·`switch_after` decisions (not at the first) the head's upkeep
-    stops (and its plans draft nothing from it); once drafting is cheap again it comes back."""
-    p = trained_policy(draft_step_seconds=0.05)
-    for _ in range(p.switch_after // 2):
-        p.choose([None] * 4, [None] * 4)
-        assert p.head_on
-    for _ in range(2 * p.switch_after):
-        p.choose([None] * 4, [None] * 4)
-    assert not p.head_on
-    gap = PerRequest(3)
-    gap.head_gap = True
-    assert all(s != "eagle3" for plan in p.candidates([gap, None], [None, [1, 2]]) for s in plan.sources)
-    for _ in range(50):  # the drafter got cheap (the fit forgets the old steps)
-        for batch in (1, 2, 4, 8):
-            for k in range(4):
-                p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + 0.0005 * k)
-    for _ in range(2 * p.switch_after):
-        p.choose([None] * 4, [None] * 4)
-    assert p.head_on
-    plan = p.choose([gap, None, None, None], [None] * 4)
-    assert plan.sources[0] == "plain" and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
-
-
-def test_the_head_switches_off_where_its_upkeep_buys_less_than_prompt_lookup():
-    """Each head forward costs 20% of a target step and its upkeep 10%; prompt lookup is always right and
-    costs nothing. A chain of the head's would beat plain decoding (the first rule's only question, so the
-    head stayed on), but every step drafts by lookup: the head goes off, and lookup runs without its upkeep."""
-    p = trained_policy(draft_step_seconds=0.002, accepted=3)
+def test_only_steps_that_draft_from_the_head_pay_for_it():
+    """Head forwards cost 5 target steps each: plain decoding is chosen and priced as if there were no head
+    (its extension is lazy: adaptive_proposer.Backlog), and so is a step drafting by prompt lookup alone;
+    a request with a hole in the head's cache never gets the head."""
+    cheap, dear = trained_policy(draft_step_seconds=0.0005), trained_policy(draft_step_seconds=0.05)
+    plain = dear.choose([None] * 4, [None] * 4)
+    assert plain.arm == Arm(0) and plain.raw_tokens_per_s == pytest.approx(cheap.price(Arm(0), ["plain"] * 4, [None] * 4))
     st = PerRequest(3)
     for _ in range(200):
         st.observe("ngram", 3, 3)
-    on = p.choose([st], [[1, 2, 3]])
-    assert on.sources == ["ngram"] and p.candidates([st], [[1, 2, 3]], head=True)[1].sources == ["eagle3"]
-    for _ in range(2 * p.switch_after):
-        p.choose([st], [[1, 2, 3]])
-    assert not p.head_on
-    off = p.choose([st], [[1, 2, 3]])
-    assert off.sources == ["ngram"] and off.raw_tokens_per_s > 1.05 * on.raw_tokens_per_s  # no upkeep
-    for _ in range(3 * p.switch_after):  # it stays off while lookup is what pays
-        p.choose([st], [[1, 2, 3]])
-    assert not p.head_on
+    lookup = dear.choose([st], [[1, 2, 3]])
+    assert lookup.sources == ["ngram"]
+    assert lookup.raw_tokens_per_s == pytest.approx(cheap.price(lookup.arm, ["ngram"], [st], [[1, 2, 3]]))
+    gap = PerRequest(3)
+    gap.head_gap = True
+    assert all(s != "eagle3" for plan in cheap.candidates([gap, None], [None, [1, 2]]) for s in plan.sources[:1])
+    plan = cheap.choose([gap, None, None, None], [None] * 4)
+    assert plan.sources[0] == "plain" and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
 
 
 def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
@@ -346,7 +319,6 @@ def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
     runs eagerly (5 ms more here), for 0.6 tokens more: plain decoding. With a continuation for all 4 the
     step is uniform (compiled) and lookup pays."""
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
-    p.head_on = False
     st = PerRequest(3)
     for _ in range(200):
         st.observe("ngram", 3, 1)
@@ -356,37 +328,6 @@ def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
     assert lookup.tokens_per_s < plain.tokens_per_s
     assert p.choose([st] * 4, [[1, 2, 3], None, None, None]).arm == Arm(0)
     assert p.choose([st] * 4, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
-
-
-def test_the_head_on_again_drafts_before_it_is_judged():
-    """Off, the head is tried again every `reprobe` decisions; it stays on (its upkeep paid) until it has
-    drafted JUDGE_AFTER windows, or has had USABLE_FOR decisions in which some request could draft from it,
-    then goes off again if it still does not pay. Requests it skipped (`head_gap`) do not count."""
-    p = trained_policy(draft_step_seconds=0.05)
-    for _ in range(3 * p.switch_after):
-        p.choose([None] * 4, [None] * 4)
-    assert not p.head_on
-    p._off_for = p.reprobe - 1
-    p.choose([None] * 4, [None] * 4)
-    assert p.head_on
-    skipped = PerRequest(3)
-    skipped.head_gap = True
-    for _ in range(200):  # only requests it cannot draft for: it is not judged
-        p.choose([skipped] * 4, [None] * 4)
-    assert p.head_on
-    for _ in range(USABLE_FOR - 1):  # new requests, which the policy decodes plainly: judged after USABLE_FOR
-        p.choose([None] * 4, [None] * 4)
-    assert p.head_on and p.head_advantage == MARGIN
-    for _ in range(3 * p.switch_after):
-        p.choose([None] * 4, [None] * 4)
-    assert not p.head_on
-    p._off_for = p.reprobe - 1  # and again, now drafting: judged after JUDGE_AFTER windows
-    p.choose([skipped] * 4, [None] * 4)
-    for _ in range(JUDGE_AFTER):
-        p.eagle.observe(3, 3)
-    for _ in range(3 * p.switch_after):
-        p.choose([skipped] * 4, [None] * 4)
-    assert not p.head_on
 
 
 def test_config_forms():
@@ -404,12 +345,17 @@ def test_config_forms():
 class RecordingHead:
     """Stands for the EAGLE-3 proposer: records the runs (and their features) it was asked to extend over."""
 
+    extended: list = []
+    catch_up_seconds = 0.0  # how long a pass over kept rows only (no run drafts next) takes
+
     def propose(self, proposal, only=None, **shape):
-        self.extended = [(c.seq.request_id, c.start, proposal.aux[c.rows].tolist() if proposal.aux is not None
-                          else None) for c in proposal.runs]
+        self.extended = self.extended + [(c.seq.request_id, c.start, proposal.aux[c.rows].tolist()
+                                          if proposal.aux is not None else None) for c in proposal.runs]
         for c in proposal.runs:
             c.seq.draft_cached = c.start + len(c.rows)
-        return [None] * len(only)
+        if not any(c.drafts_next for c in proposal.runs):
+            time.sleep(self.catch_up_seconds)
+        return [None] * len(only or [])
 
 
 class NoLookup:
@@ -417,53 +363,61 @@ class NoLookup:
         return None
 
 
+def forced(proposer: AdaptiveProposer, sources: list[str], steps: int = 1) -> None:
+    """Every decision of `proposer` is a chain of `steps` with these per-request sources."""
+    proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(steps), list(sources))
+
+
 def test_the_head_extends_only_over_requests_it_can_draft_for():
     """A request with a hole in the head's cache (`head_gap`) never drafts from it again (until a
-    recompute): the head's upkeep, its extension, is not spent on that request's rows."""
+    recompute): the head's extension is not spent on that request's rows."""
     head = RecordingHead()
     proposer = AdaptiveProposer(head, NoLookup(), 3)
+    forced(proposer, ["eagle3", "eagle3"])
     skipped, fresh = (Sequence(r, [1] * 10, SamplingParams(max_tokens=8), 0) for r in ("skipped", "fresh"))
     skipped.num_cached, skipped.draft_cached = 9, 4
     stats(skipped, 3).head_gap = True
     runs = [Committed(skipped, 8, [0], True), Committed(fresh, 0, list(range(1, 10)), True)]
-    proposer.propose(Proposal(runs, None, decode_rows=1, prefill_rows=9))
-    assert [r for r, _, _ in head.extended] == ["fresh"] and proposer.policy.head_on
+    proposer.propose(Proposal(runs, torch.zeros(10, 2), decode_rows=1, prefill_rows=9))
+    assert [r for r, _, _ in head.extended] == ["fresh"]
 
 
-def test_off_the_head_keeps_the_features_and_catches_up_when_on(monkeypatch):
-    """Off, the head keeps each run's target features; on again, it extends over the kept rows and the new
-    ones in one run from where its cache ends, with those very features. Past `BACKLOG_ROWS` a request is
-    given up (`head_gap`), and a run from where the head's cache ends starts it afresh."""
+def test_the_head_extends_over_a_request_when_it_drafts_for_it_and_keeps_its_features_until_then(monkeypatch):
+    """A step that does not draft for a request from the head (plain, prompt lookup, the head off) keeps
+    the run's target features; the step that does extends over the kept rows and its own in one run from
+    where the head's cache ends, with those very features. Past `BACKLOG_ROWS` kept rows it catches up
+    without drafting; a run from where the head's cache ends starts afresh."""
     import tsengine.spec.adaptive_proposer as module
 
     monkeypatch.setattr(module, "BACKLOG_ROWS", 6)
     head = RecordingHead()
     proposer = AdaptiveProposer(head, NoLookup(), 3)
-    proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(0), ["plain"] * len(st))
     seqs = [Sequence(r, list(range(20)), SamplingParams(max_tokens=8), 0) for r in ("kept", "long")]
 
-    def step(start, rows_of: dict[str, int]):  # every run's features: its position, as a row of 2 values
-        runs, aux = [], []
+    def step(start: dict[str, int], rows_of: dict[str, int], sources: list[str]):
+        forced(proposer, sources)
+        head.extended = []
+        runs, aux = [], []  # every run's features: its position, as a row of 2 values
         for seq in seqs:
             n = rows_of[seq.request_id]
             runs.append(Committed(seq, start[seq.request_id], list(range(len(aux), len(aux) + n)), True))
             aux += [[float(start[seq.request_id] + i)] * 2 for i in range(n)]
         proposer.propose(Proposal(runs, torch.tensor(aux), decode_rows=2))
+        return [(r, s) for r, s, _ in head.extended]
 
-    step({"kept": 0, "long": 0}, {"kept": 2, "long": 2})  # on: extends from position 0
-    assert [(r, s) for r, s, _ in head.extended] == [("kept", 0), ("long", 0)]
-    proposer.policy.head_on = False
-    head.extended = []
-    step({"kept": 2, "long": 2}, {"kept": 1, "long": 4})
-    step({"kept": 3, "long": 6}, {"kept": 1, "long": 4})  # "long" now keeps 8 rows > 6: given up
-    assert head.extended == [] and stats(seqs[0], 3).backlog.rows == 2 and stats(seqs[1], 3).head_gap
-    proposer.policy.head_on = True
-    step({"kept": 4, "long": 10}, {"kept": 1, "long": 1})
-    assert head.extended == [("kept", 2, [[2.0, 2.0], [3.0, 3.0], [4.0, 4.0]])]  # kept rows, then its own
-    assert seqs[0].draft_cached == 5 and stats(seqs[0], 3).backlog is None
-    seqs[1].draft_cached = 0  # a recompute of "long" from position 0: the head may extend over it again
-    step({"kept": 5, "long": 0}, {"kept": 1, "long": 3})
-    assert [(r, s) for r, s, _ in head.extended] == [("kept", 5), ("long", 0)] and not stats(seqs[1], 3).head_gap
+    assert step({"kept": 0, "long": 0}, {"kept": 2, "long": 2}, ["eagle3", "plain"]) == [("kept", 0)]
+    assert step({"kept": 2, "long": 2}, {"kept": 1, "long": 4}, ["plain", "ngram"]) == []
+    assert stats(seqs[1], 3).backlog.rows == 6
+    assert step({"kept": 3, "long": 6}, {"kept": 1, "long": 4}, ["plain", "plain"]) == [("long", 0), ("long", 6)]
+    assert [e[2] for e in head.extended] == [[[float(p)] * 2 for p in r] for r in (range(6), range(6, 10))]
+    assert seqs[1].draft_cached == 10  # 10 kept rows > 6: caught up (the kept ones first), without drafting
+    assert step({"kept": 4, "long": 10}, {"kept": 1, "long": 1}, ["plain", "plain"]) == []
+    assert step({"kept": 5, "long": 11}, {"kept": 1, "long": 1}, ["eagle3", "plain"]) == [("kept", 2), ("kept", 5)]
+    assert [e[2] for e in head.extended] == [[[float(p)] * 2 for p in r] for r in (range(2, 5), [5])]  # kept, own
+    assert seqs[0].draft_cached == 6 and stats(seqs[0], 3).backlog is None and stats(seqs[1], 3).backlog.rows == 2
+    seqs[1].draft_cached = 0  # a recompute of "long" from position 0
+    assert step({"kept": 6, "long": 0}, {"kept": 1, "long": 3}, ["eagle3", "eagle3"]) == [("kept", 6), ("long", 0)]
+    assert not stats(seqs[1], 3).head_gap and seqs[1].draft_cached == 3
 
 
 def draft_kv_rows(engine, seq, upto: int) -> torch.Tensor:
@@ -474,11 +428,11 @@ def draft_kv_rows(engine, seq, upto: int) -> torch.Tensor:
     return torch.cat([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]], dim=-1)
 
 
-def test_a_head_switched_off_and_on_holds_what_a_head_always_on_holds(tiny_dirs, heads):
-    """The same requests and plans (a chain of 3 from the head for everyone), once with the head on
-    throughout, once switched off for a while twice: the head's cache over every position it covers is the
-    same (to float tolerance: the catch-up extends over many rows in one pass), and it covers the requests
-    to the end, so it drafts for them again once on."""
+def test_the_heads_catch_up_holds_what_extending_every_step_holds(tiny_dirs, heads):
+    """The same requests, once drafting a chain of 3 from the head every step, once with two stretches of
+    plain steps between (the head extends over nothing then, and catches up when it drafts again): its
+    cache over every position it covers is the same (to float tolerance: the catch-up extends over many
+    rows in one pass), and it covers the requests to their last drafting step."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
     def run(off_at: set[int]):
@@ -487,7 +441,8 @@ def test_a_head_switched_off_and_on_holds_what_a_head_always_on_holds(tiny_dirs,
         step_no = [0]
 
         def choose(stats_, found, remaining=None, queued=0):
-            policy.head_on = step_no[0] not in off_at
+            if step_no[0] in off_at:
+                return Plan(Arm(0), ["plain"] * len(found))
             return Plan(Arm(3), ["eagle3"] * len(found))
 
         policy.choose = choose
@@ -508,3 +463,19 @@ def test_a_head_switched_off_and_on_holds_what_a_head_always_on_holds(tiny_dirs,
         assert upto > len(off.tokens) // 2
         torch.testing.assert_close(draft_kv_rows(off_engine, off, upto), draft_kv_rows(on_engine, on, upto),
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_the_catch_up_is_timed_apart_from_the_plan():
+    """The pass over rows kept while plain steps ran (50 ms here) is the deferred cost of those steps: the
+    head's line learns the step's own extension and drafting only."""
+    head = RecordingHead()
+    head.catch_up_seconds = 0.05
+    proposer = AdaptiveProposer(head, NoLookup(), 3)
+    seq = Sequence("r", list(range(20)), SamplingParams(max_tokens=8), 0)
+    learned = []
+    real_update = proposer.policy.draft_cost.update
+    proposer.policy.draft_cost.update = lambda x, y: (learned.append((x[1], y)), real_update(x, y))
+    for start, source in ((0, "plain"), (1, "plain"), (2, "eagle3")):
+        forced(proposer, [source])
+        proposer.propose(Proposal([Committed(seq, start, [0], True)], torch.zeros(1, 2), decode_rows=1))
+    assert seq.draft_cached == 3 and [rows for rows, _ in learned] == [1] and learned[0][1] < 0.04, learned

@@ -293,6 +293,37 @@ def test_async_generate_aborts_when_the_consumer_leaves(server):
     assert len(asyncio.run(main())) >= 2
 
 
+def test_a_steps_tokens_reach_the_stream_before_the_head_drafts(server):
+    """The first token is out while the drafter of the step that produced it is still running (held here
+    on a gate): drafting time is no part of time to first token or of the gap between tokens."""
+    gate, drafting = threading.Event(), threading.Event()
+    real = server.engine.proposer.propose
+
+    def propose(proposal):
+        if proposal.drafting:
+            drafting.set()
+            gate.wait(10)
+        return real(proposal)
+
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        gen = server.async_engine.generate("early", [5, 6, 7], sp)
+        first = await asyncio.wait_for(gen.__anext__(), 5)  # times out where outputs wait for the drafter
+        held = drafting.wait(5) and not gate.is_set()  # the drafter of that very step is still held
+        gate.set()
+        return first, held, [out async for out in gen]
+
+    server.engine.proposer.propose = propose
+    try:
+        first, held, rest = asyncio.run(main())
+    finally:
+        gate.set()
+        server.engine.proposer.propose = real
+    assert held and first.new_tokens
+    assert sum(len(o.new_tokens) for o in (first, *rest)) == 4 and rest[-1].finished
+
+
 def test_engine_built_on_its_thread_and_startup_errors_reach_the_caller(server, tiny_dirs):
     """The factory runs on the engine thread (one OpenMP pool per process; see async_engine), and a bad
     config raises its UserError where AsyncEngine was created, leaving no thread behind."""

@@ -167,6 +167,7 @@ class AsyncEngine:
                 self.dead = EngineError(f"the engine did not start: {e}")
                 ready.set_exception(e)
                 return
+        self.engine.emit = self._publish  # a step's tokens go out once committed, not after the drafter ran
         ready.set_result(None)
         stop = False
         try:
@@ -229,8 +230,11 @@ class AsyncEngine:
             self.engine.abort(request_id)
 
     def _step(self) -> None:
+        self._publish(self.engine.step())
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for out in self.engine.step():
+        for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted by its consumer meanwhile
                 continue

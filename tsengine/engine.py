@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,8 @@ class Engine:
             self.stats.describe_policy = self.proposer.policy.describe
         self.quarantine = Quarantine()
         self.finishing: list[tuple[Sequence, str]] = []  # finished this step, released after drafting
+        # where a step's committed outputs go before drafting (the server's streams); None: `step` returns them
+        self.emit: Callable[[list[StepOutput]], None] | None = None
         self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -143,10 +146,13 @@ class Engine:
             return self._step_failed(batch, solo, error)
         t1 = time.perf_counter()
         outputs, committed = self._commit(batch, verdicts, forward.first_row)
+        tokens = sum(len(o.new_tokens) for o in outputs)
+        if self.emit is not None and outputs:  # out before the drafter runs: its time is no token's latency
+            self.emit(outputs)
+            outputs = []
         t2 = time.perf_counter()
         decode = sum(s.num_tokens for s in batch if s.verify or s.num_tokens == 1)
         prefill = sum(s.num_tokens for s in batch) - decode
-        tokens = sum(len(o.new_tokens) for o in outputs)
         seconds = t1 - t0 if graphs.compiles() == compiled_before else 0.0  # a compile is no step's cost
         try:
             proposal = Proposal(committed, forward.aux, decode, prefill, seconds, tokens, forward.graph,
@@ -162,7 +168,7 @@ class Engine:
             self.quarantine.release(solo)
         if self.config.debug_checks:
             self.scheduler.check()
-        self.stats.step(sum(len(o.new_tokens) for o in outputs), len(batch), t0, t1, t2, time.perf_counter())
+        self.stats.step(tokens, len(batch), t0, t1, t2, time.perf_counter())
         return outputs
 
     def _propose(self, proposal: Proposal, solo: Sequence | None) -> list[StepOutput]:

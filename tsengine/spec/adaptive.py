@@ -9,8 +9,8 @@ it) and the tests that guard it: docs/design/adaptive.md. In short:
   seconds (the target's step from a fitted line, the head's extension and drafting, the rest of the step),
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests with none
   queued: speculation must be predicted `MARGIN` faster than plain.
-- The head's upkeep (its extension over committed rows) is switched off where the best step with it does
-  not beat the best without it, with hysteresis, and probed again every `reprobe` decisions.
+- The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
+  it, catching up over the rows kept since (`adaptive_proposer.Backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up.
 
 Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's
@@ -30,8 +30,6 @@ SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
 TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
-JUDGE_AFTER = 64  # verify windows drafted by the head before its upkeep may switch it off, or
-USABLE_FOR = 16  # decisions it could have drafted for some request (the policy may prefer plain decoding)
 
 
 @dataclass(frozen=True)
@@ -78,11 +76,8 @@ class Plan:
 
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
-                 explore_every: int = 32, switch_after: int = 8, seed: int = 0):
-        self.steps, self.ngram, self.explore_every, self.switch_after = steps, ngram, explore_every, switch_after
-        self.head_on, self.head_advantage, self._off_for, self.reprobe = True, MARGIN, 0, 256
-        self._judge_from = JUDGE_AFTER  # the head's windows before which it is not switched off
-        self._usable = 0  # decisions since it was switched on in which some request could draft from it
+                 explore_every: int = 32, seed: int = 0):
+        self.steps, self.ngram, self.explore_every = steps, ngram, explore_every
         self._together = False  # this decision's requests will end together, and no request waits for a slot
         self._queued = False  # requests wait for a slot: a request done sooner is replaced at once
         trees = [tree] if tree else []
@@ -95,19 +90,19 @@ class AdaptivePolicy:
         # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
         # eagerly: tsengine/graphs.py), and the one-row step apart: it runs MKL's sgemv, the others oneDNN's
         # packed kernel with a ~5 ms higher floor (tsengine/linear.py). An indicator for it in the line was
-        # tried: at batch 1 with the head on, one-row steps are rare, and the line's intercept drifted
+        # tried: at batch 1 with the head drafting, one-row steps are rare, and the line's intercept drifted
         # until plain decoding was predicted 27% slower than it ran.
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
         self.one_row = RunningMean()
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
-        # the head's time (extension + drafting), learned only while it is on, so its base is the upkeep
-        # a head-free step saves; prompt lookup's and the decision's apart (every step pays them)
+        # the head's time (extension + drafting), learned from steps that draft from it (no other step does
+        # head work); prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
         self.overhead_cost = LinearCost(("base", "per_request"))
         self.decisions, self.last = 0, Plan(Arm(), [])
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
         self.correction = Correction()
-        self.last_draft_seconds, self.last_head_on = 0.0, True
+        self.last_draft_seconds = 0.0
         self.chosen: Counter[str] = Counter()  # steps per arm name
         self.drafted_by: Counter[str] = Counter()  # requests per source
         self._rng = random.Random(seed)
@@ -152,21 +147,22 @@ class AdaptivePolicy:
                 # clamped: lines fitted from a handful of steps can promise a million tokens per second, and
                 # one such step would hold a kind's ratio near 0 for a thousand steps
                 promised = min(max(last.raw_tokens_per_s * seconds, proposal.tokens / 4), proposal.tokens * 4)
-                self.correction.observe(self._kind(last.kind, self.last_head_on), len(last.sources), proposal.tokens,
-                                        promised)
+                self.correction.observe(last.kind, len(last.sources), proposal.tokens, promised)
 
     def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None,
                     overhead_seconds: float | None = 0.0) -> None:
-        """`head_seconds`: the head's extension and drafting (None: it compiled a graph in this step, which
-        says nothing about its cost; 0 with the head off); `overhead_seconds`: the rest of the step outside
-        the forward (prompt lookup, the choice, commit, outputs; None: not measured, the line's estimate)."""
-        if head_seconds is not None and self.head_on:
+        """`head_seconds`: the head's extension and drafting (None: it compiled a graph, or caught up over rows
+        kept while plain steps ran, which says nothing about the plan's own cost: neither its line nor its
+        correction learns from such a step), learned from steps that drafted from it (no other does head work);
+        `overhead_seconds`: the rest of the step outside the forward (prompt lookup, the choice, commit,
+        outputs; None: not measured, the line's estimate)."""
+        if head_seconds is not None and any(plan.eagle):
             self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], head_seconds)
         if overhead_seconds is None:
             overhead_seconds = self.overhead_cost.predict([1.0, len(plan.sources)])
         else:
             self.overhead_cost.update([1.0, len(plan.sources)], overhead_seconds)
-        self.last, self.last_head_on = plan, self.head_on
+        self.last = plan
         self.last_draft_seconds = None if head_seconds is None else head_seconds + overhead_seconds
 
     # ---- deciding ---------------------------------------------------------------------------------------
@@ -186,17 +182,18 @@ class AdaptivePolicy:
         return self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
 
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
-                head: bool | None = None, mixed: bool = False) -> float:
-        """Tokens per second of a step of `batch` requests, `mixed` if some decode plainly while others
-        verify; `head` (default: whether it is on) adds the head's upkeep, its extension over the committed
-        rows."""
+                mixed: bool = False) -> float:
+        """Tokens per second of a step of `batch` requests, `heads` of them drafting from the head, `mixed`
+        if some decode plainly while others verify. The head's time: its extension over the drafting
+        requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
+        (it extends over a request's rows only when it drafts for it: `adaptive_proposer.Backlog`)."""
         seconds = self._target_seconds(chain_rows, tree_rows, mixed) + self.overhead_cost.predict([1.0, batch])
-        if self.head_on if head is None else head:
-            seconds += self.draft_cost.predict([1.0, tokens, *self._draft_work(arm, heads)])
+        if heads:
+            seconds += self.draft_cost.predict([1.0, tokens * heads / batch, *self._draft_work(arm, heads)])
         return tokens / max(seconds, 1e-9)
 
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
-              found: list[list[int] | None] | None = None, head: bool | None = None, worth: bool = False) -> float:
+              found: list[list[int] | None] | None = None, worth: bool = False) -> float:
         """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism);
         `worth`: the tokens counted by the time they save (`_worth_ratio`)."""
         gains, chain_rows, tree_rows = [], 0, 0
@@ -214,7 +211,7 @@ class AdaptivePolicy:
                 chain_rows += arm.steps + 1
         plain = sources.count("plain")
         tps = self.predict(arm, len(gains) + sum(gains), chain_rows, tree_rows, sources.count("eagle3"), len(sources),
-                           head, mixed=0 < plain < len(sources))
+                           mixed=0 < plain < len(sources))
         return tps * self._worth_ratio(gains) if worth else tps
 
     def _worth_ratio(self, gains: list[float]) -> float:
@@ -231,18 +228,16 @@ class AdaptivePolicy:
         return (batch + worth) / (batch + extra)
 
     def _chain_plan(self, k: int, stats: list[PerRequest | None], found: list[list[int] | None],
-                    lookup_only: bool = False, head: bool | None = None) -> Plan | None:
+                    lookup_only: bool = False) -> Plan | None:
         """Chain length k for every request that has a source worth drafting from (its best by expected
         tokens: the head, or prompt lookup where its tokens offer a continuation); None if none has.
         `lookup_only`: prompt lookup or nothing. Per request the head may commit more, but one request on
-        the head makes the step pay k sequential head forwards, which a lookup-only step does not.
-        `head`: see `candidates`."""
-        on = self.head_on if head is None else head
+        the head makes the step pay k sequential head forwards, which a lookup-only step does not."""
         sources, gains, heads = [], [], 0
         for st, f in zip(stats, found):
             st = st or self._untried
             options = []
-            if on and not lookup_only and not (head is None and st.head_gap):
+            if not lookup_only and not st.head_gap:
                 options.append((st.tokens("eagle3", k, self.eagle), "eagle3"))
             if f is not None:  # drafts past the continuation repeat its last token: count none of them
                 options.append((st.tokens("ngram", min(k, len(f)), self.lookup, bonus=0.1), "ngram"))
@@ -256,37 +251,26 @@ class AdaptivePolicy:
         if not drafting:
             return None
         plan = Plan(Arm(k), sources)
-        tps = self.predict(Arm(k), len(stats) + sum(gains), len(stats) + drafting * k, 0, heads, len(stats), on,
+        tps = self.predict(Arm(k), len(stats) + sum(gains), len(stats) + drafting * k, 0, heads, len(stats),
                            mixed=drafting < len(stats))
-        plan.tokens_per_s = tps * self._worth_ratio(gains) * self._corrected(plan.kind, len(stats), on)
+        plan.tokens_per_s = tps * self._worth_ratio(gains) * self.correction(plan.kind, len(stats))
         return plan
 
-    def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None],
-                   head: bool | None = None) -> list[Plan]:
+    def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> list[Plan]:
         """Plain decoding first, then the best plan of each chain length and each tree (tokens per second
-        predicted with optimism for barely tried sources, and corrected by each arm's record).
-        `head` None: as things are; True/False: as if the head were on/off for requests like these (their
-        gaps in the head's cache ignored: the switch asks about the load, not about these caches)."""
-        batch, on = len(stats), self.head_on if head is None else head
-        plain = self.predict(Arm(0), batch, batch, 0, 0, batch, on) * self._corrected("plain", batch, on)
+        predicted with optimism for barely tried sources, and corrected by each arm's record)."""
+        batch = len(stats)
+        plain = self.predict(Arm(0), batch, batch, 0, 0, batch) * self.correction("plain", batch)
         plans = [Plan(Arm(0), ["plain"] * batch, plain)]
         chains = [a.steps for a in self.arms if a.steps and not a.is_tree]
-        plans += filter(None, (self._chain_plan(k, stats, found, head=head) for k in chains))
-        if on and any(f is not None for f in found):
-            plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True, head=head) for k in chains))
-        heads = ["eagle3" if on and not (head is None and st and st.head_gap) else "plain" for st in stats]
+        plans += filter(None, (self._chain_plan(k, stats, found) for k in chains))
+        if any(f is not None for f in found):
+            plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True) for k in chains))
+        heads = ["plain" if st and st.head_gap else "eagle3" for st in stats]
         if "eagle3" in heads:
-            plans += [Plan(a, heads, self.price(a, heads, stats, head=head, worth=True)
-                           * self._corrected(a.name, batch, on)) for a in self.tree_tokens]
+            plans += [Plan(a, heads, self.price(a, heads, stats, worth=True) * self.correction(a.name, batch))
+                      for a in self.tree_tokens]
         return plans
-
-    @staticmethod
-    def _kind(kind: str, head: bool) -> str:
-        """A plan's kind as corrections know it: with the head off, a step pays no upkeep and delivers apart."""
-        return kind if head else kind + " headless"
-
-    def _corrected(self, kind: str, batch: int, head: bool) -> float:
-        return self.correction(self._kind(kind, head), batch)
 
     def _best(self, plans: list[Plan]) -> Plan:
         """What the policy runs of these (exploration aside): the fastest, if `MARGIN` faster than plain where
@@ -294,30 +278,6 @@ class AdaptivePolicy:
         best = max(plans, key=lambda p: p.tokens_per_s)
         ragged = len(plans[0].sources) > 1 and not self._queued
         return best if best.tokens_per_s >= (MARGIN if ragged else 1.0) * plans[0].tokens_per_s else plans[0]
-
-    def _switch_head(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> None:
-        """Hysteresis on whether the head's upkeep pays at this load: the best step with the head (its
-        extension priced in) against the best without it (plain or prompt lookup, no upkeep), as a running
-        mean of their ratio over ~2·`switch_after` decisions. A mean, not a streak: the ratio moves with
-        each step's lookup matches and each request's record, and a head switched on again cannot draft for
-        requests that ran while it was off, so flapping costs its upkeep for nothing."""
-        if self.head_on:  # (again) on: it must have drafted, or had the chance to, before it is judged
-            self._usable += any(not (st and st.head_gap) for st in stats)
-            if self.eagle.windows < self._judge_from and self._usable < USABLE_FOR:
-                return
-        on = self._best(self.candidates(stats, found, head=True)).tokens_per_s
-        off = self._best(self.candidates(stats, found, head=False)).tokens_per_s
-        self.head_advantage += (on / max(off, 1e-9) - self.head_advantage) / (2 * self.switch_after)
-        self._off_for = 0 if self.head_on else self._off_for + 1
-        # off, the head's estimates stop moving, so it could stay off for good: every `reprobe` decisions
-        # it is tried again (new requests get its upkeep; it goes off again if it still does not pay)
-        if self._off_for >= self.reprobe:
-            self.head_advantage = MARGIN
-        if self.head_advantage < 1.0 if self.head_on else self.head_advantage >= MARGIN:
-            self.head_on, self._off_for, self._usable = not self.head_on, 0, 0
-            # back on, it learns only from requests admitted since: it gets JUDGE_AFTER windows of them, or
-            # USABLE_FOR decisions in which it could have drafted for some of them
-            self._judge_from = self.eagle.windows + JUDGE_AFTER
 
     def choose(self, stats: list[PerRequest | None], found: list[list[int] | None],
                remaining: list[int | None] | None = None, queued: int = 0) -> Plan:
@@ -339,7 +299,7 @@ class AdaptivePolicy:
         known = bool(remaining) and len(remaining) > 1 and None not in remaining
         self._together = known and not queued and max(ages) - min(ages) <= TOGETHER
         plan = self._decide(stats, found)
-        plan.sources = [s if s != "eagle3" or self.head_on and not (st and st.head_gap) else "plain"
+        plan.sources = [s if s != "eagle3" or not (st and st.head_gap) else "plain"
                         for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too
         plan.raw_tokens_per_s = self.price(plan.arm, plan.sources, stats, found)
         return plan
@@ -351,7 +311,6 @@ class AdaptivePolicy:
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch)
         found = found if self.ngram else [None] * batch
-        self._switch_head(stats, found)
         plans = self.candidates(stats, found)
         best = self._best(plans)
         # a step off the best costs a batch of B requests ~B rows of waste, and an arm rarely run may compile
@@ -361,8 +320,6 @@ class AdaptivePolicy:
         near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]
         if near:
             return self._rng.choice(near)
-        if not self.head_on:
-            return best
         k = best.arm.steps if not best.arm.is_tree else self.steps
         k = self._rng.choice([x for x in (k - 1, k + 1) if 0 <= x <= self.steps])
         return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats])
@@ -372,8 +329,7 @@ class AdaptivePolicy:
         rates = " ".join(f"{r:.2f}" for r in self.eagle.rates())
         look = " ".join(f"{r:.2f}" for r in self.lookup.rates())
         top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
-        return (f"policy: chose {top}; head {'on' if self.head_on else 'off'}; eagle3 acceptance {rates}; "
-                f"ngram {look}")
+        return f"policy: chose {top}; eagle3 acceptance {rates}; ngram {look}"
 
 
 def stats(seq, steps: int) -> PerRequest:

@@ -14,13 +14,13 @@ from tsengine import graphs
 from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan, stats
 from tsengine.spec.drafts import Committed, Proposal
 
-BACKLOG_ROWS = 512  # target-feature rows a request keeps while the head is off (3.5 MB for SmolLM2 in fp32)
+BACKLOG_ROWS = 512  # target-feature rows a request keeps between head drafts (3.5 MB for SmolLM2 in fp32)
 IDLE = 0.02  # seconds between steps (beyond the forward) past which the engine was idle, not busy
 
 
 class AdaptiveProposer:
-    """The head extends over the committed rows of the requests it can draft for while it is on; off, it
-    keeps their target features and catches up over them when it is on again (`Backlog`)."""
+    """The head extends over a request's committed rows when it drafts for it, and keeps their target
+    features until then (`Backlog`)."""
 
     def __init__(self, eagle, ngram, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
                  seed: int = 0):
@@ -40,7 +40,7 @@ class AdaptiveProposer:
         plan = (policy.choose([stats(seq, policy.steps) for seq in need], found, remaining, proposal.queued) if need
                 else Plan(Arm(0), []))
         t1, compiled_before = time.perf_counter(), graphs.compiles()
-        drafts, extended = self._head_drafts(proposal, plan)
+        drafts, extended, catch_up = self._head_drafts(proposal, plan)
         for j, source in enumerate(plan.sources):
             if source == "ngram" and found[j] is not None:
                 drafts[j] = self.ngram.drafts(found[j], plan.arm.steps)
@@ -48,8 +48,8 @@ class AdaptiveProposer:
             first = next((d for d in drafts if d is not None), None)
             if first is not None:
                 first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
-            fresh = graphs.compiles() != compiled_before
-            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1,
+            fresh = graphs.compiles() != compiled_before  # a compile says nothing about the plan's cost
+            policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1 - catch_up,
                                None if between is None else t1 - t0 + between)
             self.draft_len = plan.arm.steps
             policy.chosen[plan.arm.name] += 1
@@ -68,26 +68,25 @@ class AdaptiveProposer:
         between = time.perf_counter() - self._done_at - proposal.target_seconds
         return between if 0 <= between < IDLE else None
 
-    def _head_drafts(self, proposal: Proposal, plan: Plan) -> tuple[list, int]:
-        """The head's drafts per drafting request (None where it does not draft), and the rows it extended
-        over. Off, it keeps each run's target features instead (`_defer`); on, it extends over a request's
-        kept rows with its new ones, in one batched pass. A request it cannot extend over (`head_gap`) never
-        drafts from it, and its rows are not extended over: that would be upkeep paid for nothing."""
+    def _head_drafts(self, proposal: Proposal, plan: Plan) -> tuple[list, int, float]:
+        """The head's drafts per drafting request (None where it does not draft), the rows of this step it
+        extended over, and the seconds it spent catching up over rows kept from earlier steps. It extends
+        over a request's rows only in a step that drafts for it from the head, catching up first over the
+        rows kept since (`Backlog`); a step that does not, keeps them, so plain and prompt-lookup steps pay
+        no upkeep. A request it cannot extend over (a hole: `head_gap`) never drafts from it."""
         need = proposal.drafting
-        if not self.policy.head_on:  # (the choice may have just switched it off)
-            self._defer(proposal)
-            return [None] * len(need), 0
-        proposal = self._caught_up(proposal)
-        if not proposal.runs:
-            return [None] * len(need), 0
-        usable = [not seq.spec_stats.head_gap for seq in need]
-        only = [e for e, ok in zip(plan.eagle, usable) if ok]
+        heads = {seq for seq, source in zip(need, plan.sources) if source == "eagle3"}
+        now = [c for c in proposal.runs if self._extends_now(c, proposal.aux, c.seq in heads)]
+        if not now:
+            return [None] * len(need), 0, 0.0
+        catch_up = self._catch_up(now)
+        caught = dataclasses.replace(proposal, runs=now)
+        flags = [seq in heads for seq in caught.drafting]
         arm = plan.arm
-        shape = dict(tree=arm.shape) if arm.is_tree else dict(steps=arm.steps if any(only) else 0)
-        got = iter(self.inner.propose(proposal, only=only, **shape) or [None] * len(only))
-        for c in proposal.runs:  # extended: nothing is kept any more
-            c.seq.spec_stats.backlog = None
-        return [next(got) if ok else None for ok in usable], sum(len(c.rows) for c in proposal.runs)
+        shape = dict(tree=arm.shape) if arm.is_tree else dict(steps=arm.steps if any(flags) else 0)
+        got = self.inner.propose(caught, only=flags, **shape) or [None] * len(flags)
+        by_seq = dict(zip(caught.drafting, got))
+        return [by_seq.get(seq) for seq in need], sum(len(c.rows) for c in now), catch_up
 
     def _backlog(self, c: Committed) -> Backlog | None:
         """The rows the head has yet to extend over before run `c`, or None where it cannot (a hole: marked
@@ -100,44 +99,48 @@ class AdaptiveProposer:
             st.head_gap, st.backlog = True, None
         return st.backlog
 
-    def _defer(self, proposal: Proposal) -> None:
-        """Head off: keep each run's target features (a copy: the step's buffers are reused), up to
-        `BACKLOG_ROWS` a request; past that, or after a hole, the request is given up (`head_gap`)."""
-        for c in proposal.runs:
-            backlog = self._backlog(c)
-            if backlog is None:
-                continue
-            if backlog.rows + len(c.rows) > BACKLOG_ROWS or proposal.aux is None:
-                c.seq.spec_stats.head_gap, c.seq.spec_stats.backlog = True, None
-                continue
-            rows = torch.tensor(c.rows, dtype=torch.long).to(proposal.aux.device)
-            backlog.parts.append(proposal.aux[rows])
-            backlog.rows += len(c.rows)
+    def _extends_now(self, c: Committed, aux, drafts: bool) -> bool:
+        """Whether the head extends over run `c` this step: where it drafts for the request, or where its
+        kept rows would pass `BACKLOG_ROWS` (caught up then, so nothing is ever given up for length). Else
+        the run's target features are kept (a copy: the step's buffers are reused)."""
+        backlog = self._backlog(c)
+        if backlog is None:
+            return False
+        if drafts or aux is None or backlog.rows + len(c.rows) > BACKLOG_ROWS:
+            return True
+        backlog.parts.append(aux[torch.tensor(c.rows, dtype=torch.long).to(aux.device)])
+        backlog.rows += len(c.rows)
+        return False
 
-    def _caught_up(self, proposal: Proposal) -> Proposal:
-        """The runs the head extends over this step, each with the rows it kept for it while it was off
-        before its own (their features appended to the step's), and without the requests it gave up."""
-        runs, parts, at = [], [proposal.aux], proposal.aux.shape[0] if proposal.aux is not None else 0
-        for c in proposal.runs:
-            backlog = self._backlog(c)
-            if backlog is None:
-                continue
+    def _catch_up(self, runs: list[Committed]) -> float:
+        """Extend over the rows kept for `runs`' requests, in a pass of its own; their backlogs are spent.
+        Timed apart (its seconds returned): it is the deferred cost of the steps that kept the rows, and
+        priced into this step's plan it made the head look ~3x dearer than it is step to step (traced at 4
+        requests: 21 ms against 6.6), and a server stopped choosing a chain that ran at 1.17x plain per step."""
+        behind, parts, at = [], [], 0
+        for c in runs:
+            backlog, c.seq.spec_stats.backlog = c.seq.spec_stats.backlog, None
             if backlog.rows:
-                kept = list(range(at, at + backlog.rows))
+                behind.append(Committed(c.seq, backlog.start, list(range(at, at + backlog.rows)), False))
                 parts += backlog.parts
                 at += backlog.rows
-                c = dataclasses.replace(c, start=backlog.start, rows=kept + c.rows)
-            runs.append(c)
-        aux = torch.cat(parts) if len(parts) > 1 else proposal.aux
-        return dataclasses.replace(proposal, runs=runs, aux=aux)
+        if not behind:
+            return 0.0
+        t0 = time.perf_counter()
+        self.inner.propose(Proposal(behind, torch.cat(parts)), steps=0)
+        if parts[0].is_cuda:
+            torch.cuda.synchronize()  # a host sync, on purpose: the catch-up is timed apart from the plan
+        return time.perf_counter() - t0
 
 
 @dataclass
 class Backlog:
-    """Target features of positions [start, start + rows) the head has not extended over, kept while it is
-    off: on again, it catches up in one pass and drafts for the request at once. Without them, a request
-    that ran while it was off could never draft from it, so each switch (at one request, ~100 decisions
-    apart while prompt lookup found matches, measured) cost the head for the rest of that request."""
+    """Target features of positions [start, start + rows) the head has not extended over yet: it extends
+    over a request's rows only when it drafts for it. Extended every step instead (the first version), its
+    upkeep (~4 ms of a ~36 ms step at 4 requests, eager) was paid by plain steps too, so the policy had to
+    switch the head off where it did not pay, and a request that ran while it was off had a hole in the
+    head's cache and never drafted from it again: at 1 request the head went off and on every ~30-240
+    decisions (off while prompt lookup found matches), each switch costing it the rest of the request."""
 
     start: int
     parts: list = field(default_factory=list)  # [rows, A] tensors of target features, in position order
