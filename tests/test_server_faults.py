@@ -109,19 +109,22 @@ def test_3_denormal_temperature_is_greedy(server):
 
 def test_4_n_choices_are_admitted_together(server):
     """n=4 with max_tokens=1 is one prefill step for all four, not four steps one after another."""
-    engine, real, steps = server.engine, server.engine.step, []
+    engine, real, real_emit, steps, emitted = server.engine, server.engine.step, server.engine.emit, [], []
 
-    def counting():
+    def counting():  # a step's outputs: those streamed before drafting (`Engine.emit`) and those returned
+        emitted.clear()
         out = real()
-        if out:
-            steps.append(len(out))
+        if emitted or out:
+            steps.append(len(emitted) + len(out))
         return out
 
+    engine.emit = lambda outs: (emitted.extend(outs), real_emit(outs))
     engine.step = counting
     try:
         r = server.client.completions.create(model=MODEL, prompt=PROMPT, n=4, max_tokens=1, temperature=0.8, seed=1)
     finally:
         del engine.step
+        engine.emit = real_emit
     assert len(r.choices) == 4 and steps == [4], steps
 
 

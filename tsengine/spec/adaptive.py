@@ -151,9 +151,9 @@ class AdaptivePolicy:
 
     def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None,
                     overhead_seconds: float | None = 0.0) -> None:
-        """`head_seconds`: the head's extension and drafting (None: it compiled a graph, or caught up over rows
-        kept while plain steps ran, which says nothing about the plan's own cost: neither its line nor its
-        correction learns from such a step), learned from steps that drafted from it (no other does head work);
+        """`head_seconds`: the head's extension and drafting, without its catch-up over rows kept from earlier
+        steps (timed apart: adaptive_proposer); None: it compiled a graph, which says nothing about the cost.
+        Learned from steps that drafted from it (no other does head work);
         `overhead_seconds`: the rest of the step outside the forward (prompt lookup, the choice, commit,
         outputs; None: not measured, the line's estimate)."""
         if head_seconds is not None and any(plan.eagle):
