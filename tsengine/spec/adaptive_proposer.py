@@ -76,16 +76,22 @@ class AdaptiveProposer:
         no upkeep. A request it cannot extend over (a hole: `head_gap`) never drafts from it."""
         need = proposal.drafting
         heads = {seq for seq, source in zip(need, plan.sources) if source == "eagle3"}
-        now = [c for c in proposal.runs if self._extends_now(c, proposal.aux, c.seq in heads)]
+        now, keep = [], []  # extended over this step / kept for a later one (past BACKLOG_ROWS: caught up now)
+        for c in proposal.runs:
+            backlog = self._backlog(c)
+            if backlog is not None:
+                full = proposal.aux is None or backlog.rows + len(c.rows) > BACKLOG_ROWS
+                (now if c.seq in heads or full else keep).append(c)
+        self._keep(keep, proposal.aux)
         if not now:
             return [None] * len(need), 0, 0.0
         catch_up = self._catch_up(now)
-        caught = dataclasses.replace(proposal, runs=now)
-        flags = [seq in heads for seq in caught.drafting]
+        step = dataclasses.replace(proposal, runs=now)
+        flags = [seq in heads for seq in step.drafting]
         arm = plan.arm
         shape = dict(tree=arm.shape) if arm.is_tree else dict(steps=arm.steps if any(flags) else 0)
-        got = self.inner.propose(caught, only=flags, **shape) or [None] * len(flags)
-        by_seq = dict(zip(caught.drafting, got))
+        got = self.inner.propose(step, only=flags, **shape) or [None] * len(flags)
+        by_seq = dict(zip(step.drafting, got))
         return [by_seq.get(seq) for seq in need], sum(len(c.rows) for c in now), catch_up
 
     def _backlog(self, c: Committed) -> Backlog | None:
@@ -99,18 +105,17 @@ class AdaptiveProposer:
             st.head_gap, st.backlog = True, None
         return st.backlog
 
-    def _extends_now(self, c: Committed, aux, drafts: bool) -> bool:
-        """Whether the head extends over run `c` this step: where it drafts for the request, or where its
-        kept rows would pass `BACKLOG_ROWS` (caught up then, so nothing is ever given up for length). Else
-        the run's target features are kept (a copy: the step's buffers are reused)."""
-        backlog = self._backlog(c)
-        if backlog is None:
-            return False
-        if drafts or aux is None or backlog.rows + len(c.rows) > BACKLOG_ROWS:
-            return True
-        backlog.parts.append(aux[torch.tensor(c.rows, dtype=torch.long).to(aux.device)])
-        backlog.rows += len(c.rows)
-        return False
+    @staticmethod
+    def _keep(runs: list[Committed], aux) -> None:
+        """Each run's target features appended to its request's backlog, in one gather for the step (a
+        copy: the step's buffers are reused)."""
+        if not runs:
+            return
+        rows = torch.tensor([r for c in runs for r in c.rows], dtype=torch.long).to(aux.device)
+        for c, part in zip(runs, aux[rows].split([len(c.rows) for c in runs])):
+            backlog = c.seq.spec_stats.backlog
+            backlog.parts.append(part)
+            backlog.rows += len(c.rows)
 
     def _catch_up(self, runs: list[Committed]) -> float:
         """Extend over the rows kept for `runs`' requests, in a pass of its own; their backlogs are spent.
