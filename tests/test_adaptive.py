@@ -17,7 +17,7 @@ from tsengine.llm import LLM
 from tsengine.prometheus import PrometheusMetrics
 from tsengine.sampling import SamplingParams
 from tsengine.sequence import Sequence
-from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan, stats
+from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm, Plan, stats
 from tsengine.spec.adaptive_proposer import AdaptiveProposer, known_remaining
 from tsengine.spec.drafts import Committed, Proposal
 from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
@@ -38,13 +38,13 @@ def adaptive_llm(tiny_dirs, head, tree: bool = False, **kw) -> LLM:
 
 def random_plans(policy: AdaptivePolicy, rng: random.Random):
     """A `choose` that ignores every estimate: a random arm, and per request a random source among those
-    it has (prompt lookup only where its tokens offer a continuation)."""
+    it has (prompt lookup only where its tokens offer a continuation; a padded chain anywhere)."""
 
     def choose(stats, found, remaining=None, queued=0):
         arm = rng.choice(policy.arms)
         if arm.is_tree or not arm.steps:
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * len(found))
-        return Plan(arm, [rng.choice(["eagle3", "plain"] + (["ngram"] if f else [])) for f in found])
+        return Plan(arm, [rng.choice(["eagle3", "plain", PAD] + (["ngram"] if f else [])) for f in found])
 
     return choose
 
@@ -52,7 +52,7 @@ def random_plans(policy: AdaptivePolicy, rng: random.Random):
 @pytest.mark.parametrize("blocks", [None, 40], ids=["roomy", "preempting"])
 def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     """Random plans forced through the test hook (plain, chains 1..3, a 3x2x6 tree; per request the head,
-    prompt lookup or nothing), a mixed greedy/seeded batch, chunked prefill and (40 blocks) preemption:
+    prompt lookup, its last token repeated or nothing), a mixed greedy/seeded batch, chunked prefill and (40 blocks) preemption:
     every token is plain decoding's."""
     kw = {"num_kv_blocks": blocks, "max_model_len": 128} if blocks else {}
     want = [o.outputs[0].token_ids for o in make_llm(tiny_dirs, **kw).generate(PROMPTS, PARAMS)]
@@ -74,7 +74,7 @@ def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     assert got == want
     assert {"plain", "chain 1", "chain 3", "tree 3x2x6"} <= set(policy.chosen), policy.chosen
     assert caught[0] > 1, caught
-    assert policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0, policy.drafted_by
+    assert policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0 and policy.drafted_by[PAD] > 0, policy.drafted_by
     stats = llm.engine.stats
     assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0, (stats.num_drafts, stats.drafted_per_pos, policy.drafted_by, caught)
     assert bool(preempted) == bool(blocks), len(preempted)
@@ -152,15 +152,17 @@ def test_acceptance_counts_the_accepted_run():
     assert r.tokens("eagle3", 3, a) == pytest.approx(a.tokens(3))  # untried: the average
 
 
-def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = True) -> AdaptivePolicy:
-    """A policy whose models were fed: target 10 ms + 0.1 ms per row, compiled (an eager step 5 ms more);
-    drafting `draft_step_seconds` per sequential head forward; the head's drafts accepted `accepted` of 3."""
+def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = True,
+                   row_seconds: float = 0.0001) -> AdaptivePolicy:
+    """A policy whose models were fed: target 10 ms + `row_seconds` per row, compiled (an eager step 5 ms
+    more); drafting `draft_step_seconds` per sequential head forward; the head's drafts accepted `accepted`
+    of 3."""
     p = AdaptivePolicy(3, ngram=ngram)
     p.decisions, p.graphs_seen = 100, True  # past warm-up, not on an exploration step
     for rows in range(1, 80):
         for eager in (0.0, 1.0):
-            p.target_cost.update([1.0, eager, rows, 0.0], 0.010 + 0.005 * eager + 0.0001 * rows)
-        p.target_cost.update([1.0, 0.0, 1, rows * 4], 0.010 + 0.0001 + 0.00015 * rows * 4)
+            p.target_cost.update([1.0, eager, rows, 0.0], 0.010 + 0.005 * eager + row_seconds * rows)
+        p.target_cost.update([1.0, 0.0, 1, rows * 4], 0.010 + row_seconds + 1.5 * row_seconds * rows * 4)
     for batch in (1, 2, 4, 8):
         for k in range(4):
             p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
@@ -178,14 +180,22 @@ def test_the_policy_speculates_when_it_pays_and_not_when_it_does_not():
 
 def test_each_request_gets_the_source_that_pays_for_it():
     """The head is poor here; one request's prompt lookup has always been right, another's never: the
-    first drafts by lookup, the others decode plainly (speculating for them costs rows for nothing)."""
-    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    first drafts by lookup, the others draft nothing worth their rows. Compiled, they pad the step to a
+    uniform one (5 ms less than a mixed step's eager run, for 0.1 ms a row); eager, or where drafts without
+    a q cannot be verified (the rejection rule: `ngram` off), they decode plainly."""
     good, bad = PerRequest(3), PerRequest(3)
     for _ in range(200):
         good.observe("ngram", 3, 3)
         bad.observe("ngram", 3, 0)
-    plan = p.choose([good, bad, None, None], [[1, 2, 3], [4, 5, 6], None, None])
-    assert plan.arm.steps >= 2 and plan.sources == ["ngram", "plain", "plain", "plain"], plan
+    stats, found = [good, bad, None, None], [[1, 2, 3], [4, 5, 6], None, None]
+    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    plan = p.choose(stats, found)
+    assert plan.arm.steps >= 2 and plan.sources == ["ngram", PAD, PAD, PAD], plan
+    p.graphs_seen = False
+    assert p.choose(stats, found).sources == ["ngram", "plain", "plain", "plain"]
+    assert p.price(Arm(3), ["ngram", PAD, PAD, PAD], stats, found) < p.price(Arm(3), ["ngram"] + ["plain"] * 3, stats, found)
+    rejection = trained_policy(draft_step_seconds=0.0005, accepted=0, ngram=False)
+    assert all(PAD not in plan.sources for plan in rejection.candidates(stats, [None] * 4))
 
 
 def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_rows():
@@ -195,6 +205,7 @@ def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_ro
     started apart are counted per token (their slots are taken to be refilled): they draft again. Started
     together, they still end together when speculation has spread their remaining tokens."""
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    p.graphs_seen = False  # eager steps: the others decode plainly rather than pad (see the test above)
     good = [PerRequest(3), PerRequest(3)]
     for _ in range(200):
         for st in good:
@@ -311,23 +322,26 @@ def test_only_steps_that_draft_from_the_head_pay_for_it():
     gap.head_gap = True
     assert all(s != "eagle3" for plan in cheap.candidates([gap, None], [None, [1, 2]]) for s in plan.sources[:1])
     plan = cheap.choose([gap, None, None, None], [None] * 4)
-    assert plan.sources[0] == "plain" and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
+    assert plan.sources[0] in ("plain", PAD) and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
 
 
 def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
-    """Prompt lookup has a continuation for 1 of 4 requests: drafting for it alone makes a mixed step, which
-    runs eagerly (5 ms more here), for 0.6 tokens more: plain decoding. With a continuation for all 4 the
-    step is uniform (compiled) and lookup pays."""
-    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    """Prompt lookup has a continuation for 1 of 4 requests, worth one token. Drafting for it alone makes a
+    mixed step, which runs eagerly (5 ms more here): slower than plain decoding. Padding the others' windows
+    keeps the step compiled: where rows are cheap (0.1 ms) that beats plain; where they are dear (3 ms, as at
+    4 requests on this CPU) the 9 padding rows cost more than the token: plain decoding. With a continuation
+    for all 4 the step is uniform anyway and lookup pays."""
     st = PerRequest(3)
     for _ in range(200):
         st.observe("ngram", 3, 1)
-    lookup = p._chain_plan(3, [st] * 4, [[1, 2, 3], None, None, None])
-    assert lookup.sources == ["ngram", "plain", "plain", "plain"]
-    plain = p.candidates([st] * 4, [[1, 2, 3], None, None, None])[0]
-    assert lookup.tokens_per_s < plain.tokens_per_s
-    assert p.choose([st] * 4, [[1, 2, 3], None, None, None]).arm == Arm(0)
-    assert p.choose([st] * 4, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
+    stats, one = [st] * 4, [[1, 2, 3], None, None, None]
+    for row_seconds, padding_pays in ((0.0001, True), (0.003, False)):
+        p = trained_policy(draft_step_seconds=0.0005, accepted=0, row_seconds=row_seconds)
+        plain = p.candidates(stats, one)[0]
+        assert p.price(Arm(3), ["ngram", "plain", "plain", "plain"], stats, one) < plain.tokens_per_s  # mixed
+        chosen = p.choose(stats, one)
+        assert chosen.sources == (["ngram", PAD, PAD, PAD] if padding_pays else ["plain"] * 4), (row_seconds, chosen)
+    assert trained_policy(draft_step_seconds=0.0005, accepted=0).choose(stats, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
 
 
 def test_config_forms():

@@ -197,3 +197,27 @@ def test_a_step_that_compiles_reports_no_time(tiny_dirs):
     assert fresh, "no step compiled a graph"
     assert all(seen[i][1] == 0.0 for i in fresh)
     assert sum(t > 0 for i, (_, t) in enumerate(seen) if i > fresh[0] and i not in fresh) >= 10
+
+
+def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, heads):
+    """Adaptive speculation pads the windows of requests it does not draft for (`PAD`, tsengine/spec/
+    adaptive.py) so a chain step stays uniform: forced plans of one request drafting from the head and two
+    padded run through the target's graph once hot, and the greedy tokens are plain decoding's."""
+    from tsengine.spec.adaptive import PAD, Arm, Plan
+
+    prompts, params = PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(tiny_dirs, True).generate(prompts, params)]
+    spec = {"method": "auto", "model": str(heads["llama"]), "num_speculative_tokens": 1}
+    llm = _llm(tiny_dirs, False, spec, max_num_seqs=3)
+    e = llm.engine
+    e.proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(1), ["eagle3"] + [PAD] * (len(st) - 1))
+    graph_steps, propose = [], e.proposer.propose
+
+    def spy(proposal):
+        graph_steps.append(proposal.graph and proposal.prefill_rows == 0)
+        return propose(proposal)
+
+    e.proposer.propose = spy
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert e.proposer.policy.drafted_by[PAD] > 0
+    assert sum(graph_steps) >= 3, graph_steps

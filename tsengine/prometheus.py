@@ -61,7 +61,7 @@ def _policy_metrics(draft_len: int, policy):
                             "the last step (0: plain decoding).", value=draft_len)
     est = GaugeMetricFamily("tsengine:spec_decode_acceptance_estimate", "Running estimate of P(the first i+1 "
                             "drafts are accepted), by draft source and position i.", labels=["source", "position"])
-    for source, acc in (("eagle3", policy.eagle), ("ngram", policy.lookup)):
+    for source, acc in (("eagle3", policy.eagle), ("ngram", policy.lookup), ("pad", policy.pad)):
         for i, rate in enumerate(acc.rates()):
             est.add_metric([source, str(i)], rate)
     yield est

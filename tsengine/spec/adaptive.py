@@ -4,7 +4,8 @@ second, from acceptance and costs measured while serving (`tsengine/spec/estimat
 it) and the tests that guard it: docs/design/adaptive.md. In short:
 
 - Choices (`Arm`): plain; an EAGLE-3 chain of k = 1..S, each request drafting from the head, from prompt
-  lookup or not at all, whichever its own record says commits more; the configured tree (and a small one).
+  lookup or not at all, whichever its own record says commits more (not at all: plainly, or padded to keep
+  the step uniform, `PAD`); the configured tree (and a small one).
 - Prediction: tokens (counted by the time they save where a batch ends together, `_worth_ratio`) over
   seconds (the target's step from a fitted line, the head's extension and drafting, the rest of the step),
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests with none
@@ -30,6 +31,12 @@ SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
 TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
+# A request with nothing worth drafting inside a chain step drafts its last token repeated (`PAD`) where that
+# makes the step uniform: a step mixing plain decodes with verify windows runs eagerly (tsengine/graphs.py),
+# and at 4 requests a round whose chain steps left half their requests plain ran at 0.78x plain, where the
+# fixed chain of 1 ran at 1.08x (docs/benchmarks.md, ninth run). Only where drafts without a q can be verified
+# (not under the rejection rule, where `ngram` is off too).
+PAD = "pad"
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class Arm:
 
 @dataclass
 class Plan:
-    """The decision for one step: the arm, and per drafting request its source (eagle3, ngram or plain)."""
+    """The decision for one step: the arm, and per drafting request its source (eagle3, ngram, PAD or plain)."""
 
     arm: Arm
     sources: list[str]
@@ -86,6 +93,7 @@ class AdaptivePolicy:
         self.arms = [Arm(k) for k in range(steps + 1)] + [Arm(*t) for t in trees]
         self.eagle = Acceptance(steps)
         self.lookup = Acceptance(steps, prior_rate=0.3)  # prompt lookup, over requests that had a match
+        self.pad = Acceptance(steps, prior_rate=0.01)  # `PAD` drafts (a repeated token is sometimes right)
         self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
         # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
         # eagerly: tsengine/graphs.py), and the one-row step apart: it runs MKL's sgemv, the others oneDNN's
@@ -120,6 +128,9 @@ class AdaptivePolicy:
                 tree_rows += drafted + 1
                 if self.last.arm.is_tree:
                     self.tree_tokens[self.last.arm].observe(accepted)
+                continue
+            if d.source == PAD:
+                self.pad.observe(drafted, accepted)
                 continue
             (self.lookup if d.source == "ngram" else self.eagle).observe(drafted, accepted)
             stats(c.seq, self.steps).observe(d.source, drafted, accepted)
@@ -207,7 +218,8 @@ class AdaptivePolicy:
                 tree_rows += arm.nodes
             else:
                 k = min(arm.steps, len(found[j])) if source == "ngram" and found and found[j] else arm.steps
-                gains.append(st.tokens(source, k, self.eagle if source == "eagle3" else self.lookup) - 1.0)
+                gains.append(self.pad.tokens(k) - 1.0 if source == PAD
+                             else st.tokens(source, k, self.eagle if source == "eagle3" else self.lookup) - 1.0)
                 chain_rows += arm.steps + 1
         plain = sources.count("plain")
         tps = self.predict(arm, len(gains) + sum(gains), chain_rows, tree_rows, sources.count("eagle3"), len(sources),
@@ -247,13 +259,21 @@ class AdaptivePolicy:
             sources.append(source)
             gains.append(0.0 if source == "plain" else gain - 1.0)
             heads += source == "eagle3"
-        drafting = len(sources) - sources.count("plain")
-        if not drafting:
+        if sources.count("plain") == len(sources):
             return None
+        plan = self._chain_priced(k, sources, gains, heads)
+        if self.ngram and "plain" in sources:  # mixed, it runs eagerly; padded, the step is uniform (a graph)
+            pad = self.pad.tokens(k) - 1.0
+            padded = self._chain_priced(k, [PAD if s == "plain" else s for s in sources],
+                                        [pad if s == "plain" else g for s, g in zip(sources, gains)], heads)
+            plan = max(plan, padded, key=lambda p: p.tokens_per_s)
+        return plan
+
+    def _chain_priced(self, k: int, sources: list[str], gains: list[float], heads: int) -> Plan:
+        batch, drafting = len(sources), len(sources) - sources.count("plain")
         plan = Plan(Arm(k), sources)
-        tps = self.predict(Arm(k), len(stats) + sum(gains), len(stats) + drafting * k, 0, heads, len(stats),
-                           mixed=drafting < len(stats))
-        plan.tokens_per_s = tps * self._worth_ratio(gains) * self.correction(plan.kind, len(stats))
+        tps = self.predict(Arm(k), batch + sum(gains), batch + drafting * k, 0, heads, batch, mixed=drafting < batch)
+        plan.tokens_per_s = tps * self._worth_ratio(gains) * self.correction(plan.kind, batch)
         return plan
 
     def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> list[Plan]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tsengine import graphs
-from tsengine.spec.adaptive import AdaptivePolicy, Arm, Plan, stats
+from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm, Plan, stats
 from tsengine.spec.drafts import Committed, Proposal
 
 BACKLOG_ROWS = 512  # target-feature rows a request keeps between head drafts (3.5 MB for SmolLM2 in fp32)
@@ -44,6 +44,8 @@ class AdaptiveProposer:
         for j, source in enumerate(plan.sources):
             if source == "ngram" and found[j] is not None:
                 drafts[j] = self.ngram.drafts(found[j], plan.arm.steps)
+            elif source == PAD:
+                drafts[j] = self.ngram.drafts(need[j].tokens[-1:], plan.arm.steps, source=PAD)
         if need:
             first = next((d for d in drafts if d is not None), None)
             if first is not None:

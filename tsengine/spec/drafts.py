@@ -32,7 +32,7 @@ class Drafts:
     tree: Tree | None = None  # [N] parents / depths / ancestor bits of this request's tree; None: a chain
     q: torch.Tensor | None = None  # [N-1, Vq] the draft's distribution at each node (the rejection rule only)
     q_ids: torch.Tensor | None = None  # [Vq] the target id of each column of q (the draft vocab)
-    source: str = "eagle3"  # who drafted them: eagle3 or ngram (adaptive speculation learns per source)
+    source: str = "eagle3"  # who drafted them: eagle3, ngram or pad (adaptive speculation learns per source)
 
 
 @dataclass

@@ -67,10 +67,10 @@ class NgramProposer:
             seq.ngram = NgramIndex(self.n_min, self.n_max)
         return seq.ngram.lookup(seq.tokens, self.steps)
 
-    def drafts(self, found: list[int], steps: int) -> Drafts:
+    def drafts(self, found: list[int], steps: int, source: str = "ngram") -> Drafts:
         """A chain of exactly `steps` drafts: the continuation cut or padded by repeating its last token."""
         found = found[:steps] + [found[-1]] * (steps - len(found))
-        return Drafts(torch.tensor(found, dtype=torch.long).to(self.device, non_blocking=True), source="ngram")
+        return Drafts(torch.tensor(found, dtype=torch.long).to(self.device, non_blocking=True), source=source)
 
     def propose(self, proposal: Proposal) -> list[Drafts | None]:
         """A chain of `steps` target ids per request, or None where nothing matches."""
