@@ -140,7 +140,6 @@ def main() -> None:
     # Prefix caching is off in every row: repeats resend the same prompts, and HF pays their prefill each time.
     for llm in rows.values():  # warm-up: first calls allocate, pick kernels and compile every context bucket
         engine_row(llm, [longest], args.max_tokens)
-        llm.wait_for_graphs()  # the graphs its shapes made hot compile in the background
     results: dict[str, list] = {k: [] for k in ["hf", *rows]}
     info = {}
     for r in range(args.repeats):

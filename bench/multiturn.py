@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_speed import val_prompts_text  # noqa: E402
-from serve_throughput import free_port, settle, stop_servers, wait_healthy  # noqa: E402
+from serve_throughput import free_port, stop_servers, wait_healthy  # noqa: E402
 
 MODEL = "bench"
 FOLLOW_UPS = ["Can you explain that in more detail?", "Give a concrete example.",
@@ -137,7 +137,6 @@ def main() -> None:
         for r in range(args.rounds + 1):
             k = r % len(servers)
             for s in servers[k:] + servers[:k]:
-                settle(servers)  # no graph compiling in the background beside a measurement
                 ttfts, wall = asyncio.run(conversations(args, s["base"], questions, f"{r}-{s['name']}"))
                 one = n_samples_wall(s["base"], long_prompt(f"{r}-{s['name']}-1", args.n_words), 1)
                 many = n_samples_wall(s["base"], long_prompt(f"{r}-{s['name']}-{args.n}", args.n_words), args.n)

@@ -148,32 +148,23 @@ def policy_counts(base: str) -> dict[str, float]:
     return out
 
 
-def compiled_graphs(base: str, family: str = "tsengine:compiled_graphs_total") -> float:
-    """How many step graphs the server has compiled so far, done or compiling (/metrics)."""
+def compiled_graphs(base: str) -> float:
+    """How many step graphs the server has compiled so far (/metrics)."""
     for line in metrics(base):
-        if line.startswith(family + " "):
+        if line.startswith("tsengine:compiled_graphs_total "):
             return float(line.split()[1])
     return 0.0
 
 
-def settle(servers: list[dict], limit_s: float = 600.0) -> None:
-    """Until no server compiles a graph in the background: one compiling beside another's timed round
-    would take CPU from it (a server compiles off its own step path: tsengine/graphs.py)."""
-    deadline = time.time() + limit_s
-    while time.time() < deadline and any(compiled_graphs(s["base"], "tsengine:compiling_graphs") for s in servers):
-        time.sleep(0.5)
-
-
 def warm_up(args, s: dict, prompts: list[str]) -> None:
     """Every level as measured, unrecorded, repeated until a pass compiles no new step graph (at most
-    `--warmup-passes`): a graph compiling inside a timed round runs its shape eagerly and shares the CPU.
-    Adaptive speculation reaches more shapes (chain lengths, lookup-only steps) than a fixed configuration,
-    and reaches them by its own choices, so one pass may not cover them."""
+    `--warmup-passes`): a graph compiled inside a timed round stalls it for seconds. Adaptive speculation
+    reaches more shapes (chain lengths, lookup-only steps) than a fixed configuration, and reaches them by
+    its own choices, so one pass may not cover them."""
     for c in args.levels:
         for _ in range(args.warmup_passes):
             before = compiled_graphs(s["base"])
             asyncio.run(level(s["base"], prompts, c, requests_at(args, c), args.max_tokens))
-            settle([s])
             if compiled_graphs(s["base"]) == before:
                 break
 
@@ -191,11 +182,10 @@ def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
         for r in range(args.rounds):
             k = r % len(servers)
             for s in servers[k:] + servers[:k]:
-                settle(servers)
                 before = policy_counts(s["base"]) if s["name"].startswith("adaptive") else None
                 graphs_before = compiled_graphs(s["base"])
                 res = asyncio.run(level(s["base"], prompts, c, n, args.max_tokens))
-                res["compiles"] = int(compiled_graphs(s["base"]) - graphs_before)  # eager + shared CPU meanwhile
+                res["compiles"] = int(compiled_graphs(s["base"]) - graphs_before)  # each stalls the round
                 if before is not None:  # what the policy chose during this level
                     res["choices"] = {k: v - before.get(k, 0) for k, v in policy_counts(s["base"]).items()
                                       if v > before.get(k, 0)}

@@ -12,7 +12,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 # Engines run eagerly in the default suite: a compiled step graph costs ~10 s per shape here on first use.
 # tests/test_graphs.py runs the invariants in both modes; `make test-compiled` runs the engine tests compiled.
 os.environ.setdefault("TSENGINE_ENFORCE_EAGER", "1")
-os.environ.setdefault("TSENGINE_COMPILE_IN_BACKGROUND", "0")  # tests count eager steps; one test covers the background
 
 import pytest
 import torch

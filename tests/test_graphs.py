@@ -9,8 +9,7 @@ import torch
 
 from tests.helpers import PROMPTS, random_workload
 from tsengine.context import Context
-from tsengine.compiling import Heat
-from tsengine.graphs import Shape
+from tsengine.graphs import Heat, Shape
 from tsengine.kv_cache import scratch_slot
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -181,14 +180,14 @@ def test_random_workload_compiled_with_preemption(tiny_dirs, heads):
 def test_a_step_that_compiles_reports_no_time(tiny_dirs):
     """The adaptive policy fits costs to step times: the step whose graph compiled (seconds, not
     milliseconds) reports none, and the steps after it do."""
-    from tsengine import compiling
+    from tsengine import graphs
 
     llm = _llm(tiny_dirs, False, max_num_seqs=3)  # a batch bucket of its own: its graph is new in this process
     e, seen = llm.engine, []
     propose = e.proposer.propose
 
     def spy(proposal):
-        seen.append((compiling.compiles(), proposal.target_seconds))
+        seen.append((graphs.compiles(), proposal.target_seconds))
         return propose(proposal)
 
     e.proposer.propose = spy
@@ -222,35 +221,3 @@ def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, h
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert e.proposer.policy.drafted_by[PAD] > 0
     assert sum(graph_steps) >= 3, graph_steps
-
-
-def test_a_hot_shape_compiles_in_the_background_while_steps_run_eagerly(tiny_dirs, heads, monkeypatch):
-    """With background compiles (the default outside the tests): the steps after a shape turns hot run
-    eagerly, none reports a time while a compile runs, and once published the graphs run without the main
-    thread ever compiling (the dummy run's guards match the real inputs'); every token is the eager
-    engine's."""
-    from tsengine import compiling
-
-    monkeypatch.setenv("TSENGINE_COMPILE_IN_BACKGROUND", "1")
-    prompts = PROMPTS[:3]
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
-    expected = [o.outputs[0].token_ids for o in _llm(tiny_dirs, True, spec).generate(prompts, GREEDY)]
-    llm = _llm(tiny_dirs, False, spec, max_num_seqs=3)
-    e, timed = llm.engine, []
-    propose = e.proposer.propose
-
-    def spy(proposal):
-        timed.append((compiling.compiling(), proposal.target_seconds))
-        return propose(proposal)
-
-    e.proposer.propose = spy
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    assert any(busy for busy, _ in timed), "no step ran beside a background compile"
-    assert all(seconds == 0.0 for busy, seconds in timed if busy)
-    llm.wait_for_graphs()
-    assert compiling.compiling() == 0 and e.runner.compiled.graphs and e.proposer.graphs.graphs  # target's and head's
-    frames = torch._dynamo.utils.counters["frames"]["total"]
-    steps = e.runner.compiled.steps
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    assert e.runner.compiled.steps > steps
-    assert torch._dynamo.utils.counters["frames"]["total"] == frames, "the main thread compiled a graph"

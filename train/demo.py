@@ -75,7 +75,6 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
         # warm-up to full length: it compiles the step graphs of every context size the timed run reaches
         # (tsengine/graphs.py; ~30-50 s each on 2 cores the first time, seconds from torch's cache after)
         llm.generate([ids], params)
-        llm.wait_for_graphs()  # they compile in the background
         t0 = time.perf_counter()
         out = llm.generate([ids], params)[0]
         dt = time.perf_counter() - t0

@@ -17,9 +17,14 @@ The EAGLE-3 head has graphs of its own (`DraftGraphs`): each greedy chain step a
 shown no gain yet (chain 1 at 16 requests: 0.83× plain with it, 0.85× before) and adds shapes that compile
 lazily, which stalled an adaptive server's timed rounds (docs/benchmarks.md, issue 15).
 
-When a shape's graph compiles (lazily, once hot, off the step path) is `tsengine/compiling.py`'s concern.
-On CUDA the same static step is what a CUDA graph would capture; that path is unmeasured (no GPU has run
-it) and off.
+Graphs compile lazily, once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph
+steps; until then it runs eagerly), and are logged with their compile time; torch's FX graph cache keeps
+them on disk, so a restart recompiles a known shape in seconds, not ~40 s. Why not on the first step: a
+compile stalls every request in the batch for ~40 s, and a shape met once (an adaptive server's exploration
+step, one step in 128 at 16 requests) never earns that back: compiled on first sight, exploration stalled
+two of three timed rounds of a 16-request benchmark (7.8 and 71.7 tok/s against 132 without a compile,
+docs/benchmarks.md). A shape a fixed configuration runs is hot after two eager steps. On CUDA the
+same static step is what a CUDA graph would capture; that path is unmeasured (no GPU has run it) and off.
 """
 
 from __future__ import annotations
@@ -32,7 +37,6 @@ from dataclasses import dataclass
 
 import torch
 
-from tsengine.compiling import Compiler, Heat, allow_a_graph_per_shape
 from tsengine.context import Context
 from tsengine.kv_cache import scratch_slot, slot
 from tsengine.linear import compiled_packed_ops
@@ -42,6 +46,17 @@ log = logging.getLogger("tsengine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 EXTEND_WINDOWS = (1, 4, 8)  # committed rows per request the head's extension pads to (a chain of 3 commits 1-4)
 MIN_CONTEXT = 256
+HOT_AFTER = 3  # a shape compiles on its third step within HOT_WINDOW graph-eligible steps
+HOT_WINDOW = 64
+_compiles = 0  # graphs compiled (or loaded from torch's cache) in this process
+
+
+def compiles() -> int:
+    """How many graphs this process has compiled so far: a step that compiled one took seconds, not
+    milliseconds, so timing consumers (the adaptive policy's cost model) skip it."""
+    return _compiles
+
+
 @dataclass(frozen=True)
 class Shape:
     batch: int  # requests, padded to a bucket
@@ -52,6 +67,25 @@ class Shape:
     @property
     def name(self) -> str:
         return f"{self.batch}x{self.window}{' tree' if self.tree else ''} ctx {self.context}"
+
+
+class Heat:
+    """Which shapes are worth a compile: those met `after` times within the last `window` graph-eligible
+    steps (the clock ticks once per target step that fits a graph). One per engine, shared by the target's
+    and the head's graphs, so both count in target steps."""
+
+    def __init__(self, after: int = HOT_AFTER, window: int = HOT_WINDOW):
+        self.after, self.window, self.clock = after, window, 0
+        self._seen: dict[object, list[int]] = {}
+
+    def tick(self) -> None:
+        self.clock += 1
+
+    def hot(self, key) -> bool:
+        """Records one step of `key`'s shape; True once it has been met `after` times lately."""
+        recent = [t for t in self._seen.get(key, ()) if self.clock - t < self.window] + [self.clock]
+        self._seen[key] = recent[-self.after:]
+        return len(recent) >= self.after
 
 
 def _bucket(n: int, buckets) -> int | None:
@@ -72,9 +106,8 @@ def static_step(model, kv, block_size: int, window: int, ids, positions, slots, 
 class CompiledSteps:
     """The graph bank of one engine: which steps fit a graph, the padding, and the lazy compile."""
 
-    def __init__(self, model, kv: list, block_size: int, max_positions: int, compiler: Compiler | None = None):
+    def __init__(self, model, kv: list, block_size: int, max_positions: int):
         self.model, self.kv, self.block_size = model, kv, block_size
-        self.compiler = compiler or Compiler()
         self.scratch = scratch_slot(kv)
         top = -(-max_positions // block_size) * block_size
         contexts, c = [], MIN_CONTEXT
@@ -85,8 +118,11 @@ class CompiledSteps:
         self.compile_seconds: dict[Shape, float] = {}
         self.heat = Heat()
         self.steps = 0  # steps run through a graph (the rest ran eagerly)
+        # one graph per shape, and never a dynamic one: a shape change is a new graph, not a recompile of the
+        # last one with symbolic sizes (slower, above)
         self.packed_ops = compiled_packed_ops()
-        allow_a_graph_per_shape()
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
 
     def shape_for(self, batch, ctx: Context, tree: bool) -> Shape | None:
         """The graph shape this step pads to, or None when it runs eagerly (see the module docstring)."""
@@ -99,27 +135,10 @@ class CompiledSteps:
         return Shape(size, window, context, tree)
 
     def ready(self, shape: Shape) -> bool:
-        """Whether this step runs through `shape`'s graph: compiled already, or hot enough to compile now
-        (in the background: not yet). Ticks the clock: call it once per step that fits a graph."""
+        """Whether this step runs through `shape`'s graph: compiled already, or hot enough to compile now.
+        Ticks the clock: call it once per step that fits a graph."""
         self.heat.tick()
-        if shape in self.graphs:
-            return True
-        if not self.heat.hot(shape):
-            return False
-        return self.compiler.graph(shape, self.graphs, self.compile_seconds, f"{shape.name} step", self._fn(shape),
-                                   functools.partial(self._dummy, shape)) is not None
-
-    def _fn(self, shape: Shape):
-        return functools.partial(static_step, self.model, self.kv, self.block_size, shape.window)
-
-    def _dummy(self, shape: Shape) -> tuple:
-        """Inputs of `shape` that read block 0 and write only the scratch slot."""
-        dev, rows = self.kv[0][0].device, shape.batch * shape.window
-        zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-        tree = (zeros, torch.ones_like(zeros)) if shape.tree else (None, None)
-        return (zeros, zeros, torch.full_like(zeros, self.scratch),
-                torch.zeros(shape.batch, shape.context // self.block_size, dtype=torch.long, device=dev),
-                torch.ones(shape.batch, dtype=torch.long, device=dev), *tree)
+        return shape in self.graphs or self.heat.hot(shape)
 
     def forward(self, shape: Shape, input_ids: torch.Tensor, ctx: Context):
         """(hidden, aux, logits) of the real rows: the step padded to `shape`, run through its graph."""
@@ -134,8 +153,13 @@ class CompiledSteps:
         tables[:b, :width] = ctx.block_tables[:, :width]
         lens = torch.cat([ctx.context_lens, ctx.context_lens.new_ones(shape.batch - b)])
         tree = (rows(ctx.tree_start, 0), rows(ctx.tree_anc, 1)) if shape.tree else (None, None)
-        graph = self.graphs.get(shape) or self.compiler.inline(shape, self.graphs, self._fn(shape))  # or a test's
-        t0 = time.perf_counter()
+        global _compiles
+        graph, t0 = self.graphs.get(shape), time.perf_counter()
+        if graph is None:
+            _compiles += 1
+            fn = functools.partial(static_step, self.model, self.kv, self.block_size, shape.window)
+            graph = self.graphs[shape] = torch.compile(fn, fullgraph=True, dynamic=False,
+                                                       options={"cpp_wrapper": True})
         hidden, aux, logits = graph(rows(input_ids, 0), rows(ctx.positions, 0), rows(ctx.slot_mapping, self.scratch),
                                     tables, lens, *tree)
         if shape not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
@@ -171,27 +195,22 @@ class DraftGraphs:
     into the scratch block of the draft cache, whose block id fills their tables; a request's padding rows
     (fewer committed rows than the window) write to the scratch slot and their outputs are dropped."""
 
-    def __init__(self, proposer, contexts: tuple[int, ...], heat: Heat | None = None, compiler: Compiler | None = None):
+    def __init__(self, proposer, contexts: tuple[int, ...], heat: Heat | None = None):
         self.proposer, self.contexts, self.heat = proposer, contexts, heat or Heat()
-        self.compiler = compiler or Compiler()
         self.scratch = scratch_slot([proposer.kv])
         self.scratch_block = self.scratch // proposer.block_size
         self.extends = os.environ.get("TSENGINE_EXTEND_GRAPHS", "0") == "1"  # opt-in: see the module docstring
         self.graphs: dict[tuple, object] = {}
         self.compile_seconds: dict[tuple, float] = {}
 
-    def _graph(self, key: tuple, what: str, fn, dummy):
-        """`key`'s graph, compiled if it is hot; None while it is not, or is compiling in the background (the
-        caller runs eagerly)."""
+    def _graph(self, key: tuple, fn):
+        """`key`'s graph, compiled now if it is hot; None while it is not (the caller runs eagerly)."""
+        global _compiles
         graph = self.graphs.get(key)
         if graph is None and self.heat.hot(key):
-            graph = self.compiler.graph(key, self.graphs, self.compile_seconds, what, fn, dummy)
+            _compiles += 1
+            graph = self.graphs[key] = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
         return graph
-
-    def _dummy_tables(self, size: int, context: int) -> torch.Tensor:
-        """Block tables of the scratch block only: a dummy run's writes land there."""
-        dev = self.proposer.kv[0].device
-        return torch.full((size, context // self.proposer.block_size), self.scratch_block, dtype=torch.long, device=dev)
 
     def _timed(self, key: tuple, what: str, t0: float) -> None:
         if key not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
@@ -213,14 +232,7 @@ class DraftGraphs:
         if window is None or size is None or context is None:
             return None
         key = ("extend", size, window, context)
-
-        def dummy():  # scratch writes only; the features as the real ones are (dtype, width)
-            zeros = torch.zeros(size * window, dtype=torch.long, device=aux.device)
-            return (zeros, aux.new_zeros(size * window, aux.shape[1]), zeros, torch.full_like(zeros, self.scratch),
-                    self._dummy_tables(size, context), torch.ones(size, dtype=torch.long, device=aux.device))
-
-        graph = self._graph(key, f"head extension (window {window}, {size} requests, ctx {context})",
-                            functools.partial(extend_step, self.proposer, window), dummy)
+        graph = self._graph(key, functools.partial(extend_step, self.proposer, window))
         if graph is None:
             return None
         total = len(ids)
@@ -260,13 +272,7 @@ class DraftGraphs:
         if size is None or context is None:
             return None
         key = ("draft", size, context)
-
-        def dummy():  # into the scratch block only; the hidden state as the real one is
-            return (first.new_zeros(size), hidden.new_zeros(size, hidden.shape[1]), pos.new_zeros(size),
-                    self._dummy_tables(size, context))
-
-        graph = self._graph(key, f"draft step ({size} requests, ctx {context})",
-                            functools.partial(draft_step, self.proposer), dummy)
+        graph = self._graph(key, functools.partial(draft_step, self.proposer))
         if graph is None:
             return None
         padded = tables.new_full((size, context // bs), self.scratch_block)

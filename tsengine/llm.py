@@ -98,9 +98,3 @@ class LLM:
         texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
         prompts = [{"prompt_token_ids": self.tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
         return self.generate(prompts, sampling_params, **kw)
-
-    def wait_for_graphs(self) -> None:
-        """Block until the step graphs compiling in the background are ready (tsengine/graphs.py): a
-        benchmark calls it after its warm-up, so no compile shares the CPU with its timed run."""
-        if self.engine.runner.compiled is not None:
-            self.engine.runner.compiled.compiler.wait()

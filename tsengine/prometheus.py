@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tsengine import compiling
+from tsengine import graphs
 
 
 class _EngineCollector:
@@ -47,9 +47,8 @@ class _EngineCollector:
             yield CounterMetricFamily("tsengine:prefix_cache_hits", "Prefix cache: prompt tokens found cached.",
                                       value=sched.prefix.hits)
         yield CounterMetricFamily("tsengine:compiled_graphs", "Step graphs compiled (or loaded from torch's cache) "
-                                  "so far, done or compiling (tsengine/compiling.py).", value=compiling.compiles())
-        yield GaugeMetricFamily("tsengine:compiling_graphs", "Step graphs compiling in the background now (their "
-                                "shapes run eagerly meanwhile).", value=compiling.compiling())
+                                  "so far; each stalls its step for seconds (tsengine/graphs.py).",
+                                  value=graphs.compiles())
         yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=len(sched.running))
         yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=len(sched.waiting))
         yield GaugeMetricFamily("tsengine:kv_cache_usage_perc", "Fraction of KV blocks in use.",

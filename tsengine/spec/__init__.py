@@ -21,7 +21,7 @@ def build_proposer(spec, runner) -> Proposer:
     if runner.compiled is not None:
         from tsengine.graphs import DraftGraphs
 
-        eagle.graphs = DraftGraphs(eagle, runner.compiled.contexts, runner.compiled.heat, runner.compiled.compiler)
+        eagle.graphs = DraftGraphs(eagle, runner.compiled.contexts, runner.compiled.heat)
     if spec.adaptive:  # NGRAM's drafts carry no q: the rejection rule cannot verify them
         from tsengine.spec.adaptive_proposer import AdaptiveProposer
         from tsengine.spec.ngram import NgramProposer

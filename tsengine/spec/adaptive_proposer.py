@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsengine import compiling
+from tsengine import graphs
 from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm, Plan, stats
 from tsengine.spec.drafts import Committed, Proposal
 
@@ -39,7 +39,7 @@ class AdaptiveProposer:
         remaining = [known_remaining(seq) for seq in need]
         plan = (policy.choose([stats(seq, policy.steps) for seq in need], found, remaining, proposal.queued) if need
                 else Plan(Arm(0), []))
-        t1, compiled_before = time.perf_counter(), compiling.compiles()
+        t1, compiled_before = time.perf_counter(), graphs.compiles()
         drafts, extended, catch_up = self._head_drafts(proposal, plan)
         for j, source in enumerate(plan.sources):
             if source == "ngram" and found[j] is not None:
@@ -50,7 +50,7 @@ class AdaptiveProposer:
             first = next((d for d in drafts if d is not None), None)
             if first is not None:
                 first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
-            fresh = not compiling.undisturbed(compiled_before)  # a compile says nothing about the plan's cost
+            fresh = graphs.compiles() != compiled_before  # a compile says nothing about the plan's cost
             policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1 - catch_up,
                                None if between is None else t1 - t0 + between)
             self.draft_len = plan.arm.steps
