@@ -2,6 +2,7 @@
 user chose (train/threads.py). Regression: `accelerate launch` used to leave training on one core."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,8 @@ def _launch(tmp_path: Path, *launch_args: str, **env) -> dict[str, int]:
     r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(script)], cwd=REPO,
                        env=clean, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("THREADS")]
-    return {rank: int(n) for _, rank, n in rows}
+    # the ranks share one stdout: under load their lines can interleave mid-line, so match, not split lines
+    return {rank: int(n) for rank, n in re.findall(r"THREADS (\S+) (\d+)", r.stdout)}
 
 
 @pytest.mark.skipif(CORES < 2, reason="one core: one thread is both the bug and the fix")
