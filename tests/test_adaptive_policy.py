@@ -8,7 +8,7 @@ import pytest
 
 from tsengine.sampling import SamplingParams
 from tsengine.sequence import Sequence
-from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm
+from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm, Plan
 from tsengine.spec.adaptive_proposer import known_remaining
 from tsengine.spec.drafts import Proposal
 from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
@@ -236,3 +236,17 @@ def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
         chosen = p.choose(stats, one)
         assert chosen.sources == (["ngram", PAD, PAD, PAD] if padding_pays else ["plain"] * 4), (row_seconds, chosen)
     assert trained_policy(draft_step_seconds=0.0005, accepted=0).choose(stats, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
+
+
+def test_the_margin_over_plain_holds_only_where_the_batch_thins_out_unrefilled():
+    """A chain predicted 3% faster than plain decoding: for 4 requests that started together with none
+    queued (the batch thins out as they finish), below `MARGIN`: plain. Started apart (a client refilling
+    freed slots) or with requests queued: the chain."""
+    p = AdaptivePolicy(3)
+    p.decisions = 100
+    p.candidates = lambda stats, found: [Plan(Arm(0), ["plain"] * 4, 100.0), Plan(Arm(1), ["eagle3"] * 4, 103.0)]
+    together = [PerRequest(3) for _ in range(4)]
+    assert p.choose(together, [None] * 4).arm == Arm(0)
+    assert p.choose(together, [None] * 4, queued=1).arm == Arm(1)
+    together[0].age += 20
+    assert p.choose(together, [None] * 4).arm == Arm(1)
