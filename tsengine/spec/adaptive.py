@@ -315,12 +315,11 @@ class AdaptivePolicy:
                 st.age += 1
         ages = [st.age if st else 0 for st in stats]
         known = bool(remaining) and len(remaining) > 1 and None not in remaining
-        started_together = max(ages) - min(ages) <= TOGETHER
-        self._together = known and not queued and started_together
         # `MARGIN` where the batch thins out with nothing to refill it. Started apart, a client's next request
         # is likely to take a freed slot: at 4 requests so sent, the margin held a chain of 1 that ran 10%
         # faster per step than plain decoding (predicted 2-5%) to plain on 243 of 1,000 steps (traced).
-        self._ragged = len(stats) > 1 and not queued and started_together
+        self._ragged = len(stats) > 1 and not queued and max(ages) - min(ages) <= TOGETHER
+        self._together = known and self._ragged
         plan = self._decide(stats, found)
         plan.sources = [s if s != "eagle3" or not (st and st.head_gap) else "plain"
                         for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too
