@@ -67,8 +67,10 @@ def test_bad_parameters_that_slipped_through_stop_only_their_request(llm_factory
     assert all(finished[f"r{i}"].finish_reason == "length" for i in range(len(PROMPTS)))
 
 
-def test_nan_logits_for_one_request_stop_it_alone(llm_factory):
-    """The guard: non-finite logits never reach argmax or sampling; the request whose rows have them stops."""
+@pytest.mark.parametrize("poison", ["nan rows", "one +inf", "one -inf"])
+def test_nan_logits_for_one_request_stop_it_alone(llm_factory, poison):
+    """The guard: non-finite logits never reach argmax or sampling; the request whose rows have them stops
+    (whole rows of NaN, or one infinite logit in its first row)."""
     want, _ = run(llm_factory(), with_poison=False)
     llm = llm_factory()
     runner, real = llm.engine.runner, llm.engine.runner.run
@@ -80,7 +82,10 @@ def test_nan_logits_for_one_request_stop_it_alone(llm_factory):
         for s in batch:
             rows = s.num_tokens if s.verify else int(s.samples)
             if s.seq.request_id == "poison" and rows and s.seq.num_output >= 2:
-                forward.logits[row:row + rows] = float("nan")
+                if poison == "nan rows":
+                    forward.logits[row:row + rows] = float("nan")
+                else:
+                    forward.logits[row, 7] = float(poison.split()[1])
                 calls.append(s.verify)
             row += rows
         return forward
