@@ -4,10 +4,13 @@ test-compiled` runs the engine's losslessness tests compiled."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from tests.helpers import PROMPTS, random_workload
+from tests.tiny import make_target
 from tsengine.context import Context
 from tsengine.graphs import Heat, Shape
 from tsengine.kv_cache import scratch_slot
@@ -105,6 +108,29 @@ def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, 
     torch.testing.assert_close(flat[written], eager_flat[written], atol=1e-4, rtol=1e-4)
     others = [s for s in range(scratch) if s not in written]
     assert torch.equal(flat[others], flat0[others]), "a padding row wrote outside the scratch block"
+
+
+def test_engines_of_one_shape_each_run_their_own_weights(tiny_dirs, heads, tmp_path):
+    """Each compiled step skips dynamo's module guards (`graphs.compile_step`): two compiled engines in one
+    process, targets of the same shapes with different weights and norm epsilon, drafting with one head,
+    each give their own eager tokens, whichever ran last. Fails if the graphs share a code object (measured)."""
+    other = make_target(tmp_path / "other", kind="llama", seed=5)
+    config = json.loads((other / "config.json").read_text())  # a constant the graph bakes in, not a tensor:
+    config["rms_norm_eps"] = 0.5  # a graph reused across engines would run the other engine's value
+    (other / "config.json").write_text(json.dumps(config))
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+
+    def llm(path, eager):
+        return LLM(str(path), speculative_config=spec, enforce_eager=eager, debug_checks=True, block_size=4,
+                   max_num_batched_tokens=16)
+
+    params = [GREEDY] * len(PROMPTS)
+    a, b = llm(tiny_dirs["llama"], False), llm(other, False)
+    first_a, got_b, again_a = _tokens(a, params), _tokens(b, params), _tokens(a, params)
+    assert first_a == again_a == _tokens(llm(tiny_dirs["llama"], True), params)
+    assert got_b == _tokens(llm(other, True), params)
+    assert got_b != first_a  # different weights: a shared graph would have shown as equal tokens
+    assert a.engine.runner.compiled.steps > 0 and b.engine.runner.compiled.steps > 0
 
 
 def test_which_steps_take_a_graph(tiny_dirs):
