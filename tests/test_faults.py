@@ -68,7 +68,7 @@ def test_bad_parameters_that_slipped_through_stop_only_their_request(llm_factory
 
 
 @pytest.mark.parametrize("poison", ["nan rows", "one +inf", "one -inf"])
-def test_nan_logits_for_one_request_stop_it_alone(llm_factory, poison):
+def test_non_finite_logits_for_one_request_stop_it_alone(llm_factory, poison):
     """The guard: non-finite logits never reach argmax or sampling; the request whose rows have them stops
     (whole rows of NaN, or one infinite logit in its first row)."""
     want, _ = run(llm_factory(), with_poison=False)

@@ -101,7 +101,7 @@ def compile_step(fn, *bound, name: str):
     against a guard per parameter and cache tensor. Every shape sharing `static_step`'s code put ~0.43 ms of
     guard checks on each call (torch profiler, batch 1 with a chain of 3: three calls a step, the two draft
     steps' graphs ~1 ms each). So each graph gets its own copy of the code (named for its shape, so the FX
-    graph cache on disk still finds it) and the module guards are skipped: ~0.12 ms a call. Safe here
+    graph cache on disk still finds it) and the module guards are skipped: ~0.13 ms a call. Safe here
     because that copy is only ever called with the module and cache tensors bound below, and the bank picks
     the graph by shape; the inputs' shape and dtype guards stay (vLLM skips the guards altogether)."""
     private = types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{name}"), fn.__globals__,
