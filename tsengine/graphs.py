@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -69,10 +69,6 @@ class Shape:
     def name(self) -> str:
         return f"{self.batch}x{self.window}{' tree' if self.tree else ''} ctx {self.context}"
 
-    @property
-    def key(self) -> str:  # a Python identifier's tail
-        return f"{self.batch}x{self.window}{'_tree' if self.tree else ''}_ctx{self.context}"
-
 
 class Heat:
     """Which shapes are worth a compile: those met `after` times within the last `window` graph-eligible
@@ -93,19 +89,21 @@ class Heat:
         return len(recent) >= self.after
 
 
-def compile_step(fn, *bound, name: str):
+def compile_step(fn, *bound, key: tuple):
     """`fn` with `bound` as its first arguments, compiled for one shape, called without dynamo's guards on
     modules.
 
     Why: dynamo keeps its compiled entries per code object and checks them in turn on every call, each
     against a guard per parameter and cache tensor. Every shape sharing `static_step`'s code put ~0.43 ms of
     guard checks on each call (torch profiler, batch 1 with a chain of 3: three calls a step, the two draft
-    steps' graphs ~1 ms each). So each graph gets its own copy of the code (named for its shape, so the FX
-    graph cache on disk still finds it) and the module guards are skipped: ~0.13 ms a call. Safe here
-    because that copy is only ever called with the module and cache tensors bound below, and the bank picks
-    the graph by shape; the inputs' shape and dtype guards stay (vLLM skips the guards altogether)."""
-    private = types.FunctionType(fn.__code__.replace(co_name=f"{fn.__name__}_{name}"), fn.__globals__,
-                                 f"{fn.__name__}_{name}", fn.__defaults__, fn.__closure__)
+    steps' graphs ~1 ms each). So each graph gets its own copy of the code, named for its `key` (the FX graph
+    cache on disk keys on the graph, not the name: the cached graphs' hashes did not change), and the module
+    guards are skipped: ~0.13 ms a call. Safe here because that copy is only ever called with the module and
+    cache tensors bound below, and the bank picks the graph by shape; the inputs' shape and dtype guards stay
+    (vLLM skips the guards altogether)."""
+    name = "_".join([fn.__name__, *map(str, key)])
+    private = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
+                                 fn.__closure__)
     return torch.compile(functools.partial(private, *bound), fullgraph=True, dynamic=False,
                          options={"cpp_wrapper": True,
                                   "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
@@ -181,7 +179,7 @@ class CompiledSteps:
         if graph is None:
             _compiles += 1
             graph = self.graphs[shape] = compile_step(static_step, self.model, self.kv, self.block_size,
-                                                      shape.window, name=shape.key)
+                                                      shape.window, key=astuple(shape))
         hidden, aux, logits = graph(rows(input_ids, 0), rows(ctx.positions, 0), rows(ctx.slot_mapping, self.scratch),
                                     tables, lens, *tree)
         if shape not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
@@ -231,7 +229,7 @@ class DraftGraphs:
         graph = self.graphs.get(key)
         if graph is None and self.heat.hot(key):
             _compiles += 1
-            graph = self.graphs[key] = compile_step(fn, *bound, name="_".join(map(str, key)))
+            graph = self.graphs[key] = compile_step(fn, *bound, key=key)
         return graph
 
     def _timed(self, key: tuple, what: str, t0: float) -> None:
