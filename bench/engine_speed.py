@@ -5,11 +5,14 @@ spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decode
 
     python bench/engine_speed.py --draft DIR [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
                                  [--shapes 3,1,4;5,4,16;4,8,32] [--ngram] [--temperature 0.7] [--no-hf]
-                                 [--modes compiled,eager] [--extend-graphs]
+                                 [--modes compiled,eager] [--extend-graphs] [--int8]
 
 `--modes`: every engine row once per mode, side by side: compiled step graphs (the default,
 tsengine/graphs.py) and eager (`--enforce-eager`). The warm-up decodes the longest prompt to the full
 length first, so every graph a timed row needs is compiled before the clock starts.
+
+`--int8` adds each EAGLE-3 row again with the head's weights in int8 (`--speculative-draft-model-quantization
+int8`): τ may move (the drafts are the int8 head's), outputs may not.
 
 `--shapes` lists EAGLE-3 shapes as steps,topk,num_draft_tokens (topk 1: chain; > 1: EAGLE-2 tree), one
 row each. At `--temperature` > 0 every request is seeded, so every row must still equal the plain row.
@@ -99,6 +102,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--extend-graphs", action="store_true", help="also each compiled EAGLE-3 row with the head's "
                     "extension in a graph (TSENGINE_EXTEND_GRAPHS=1's opt-in, tsengine/graphs.py)")
+    ap.add_argument("--int8", action="store_true", help="also each EAGLE-3 row with the head in int8")
     ap.add_argument("--modes", default="compiled,eager",
                     help="engine modes, one set of rows each: compiled (step graphs, the default) and/or eager")
     args = ap.parse_args()
@@ -114,10 +118,13 @@ def main() -> None:
                 st, k, n = (int(x) for x in shape.split(","))
                 spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
                         "num_draft_tokens": n}
-                rows[f"eagle3 ({st},{k},{n}){tag}"] = LLM(path, **kw, speculative_config=spec)
-                if args.extend_graphs and not eager:
-                    llm = rows[f"eagle3 ({st},{k},{n}) +extend graph"] = LLM(path, **kw, speculative_config=spec)
-                    llm.engine.proposer.graphs.extends = True
+                for quant in ("none", "int8") if args.int8 else ("none",):
+                    name = f"eagle3 ({st},{k},{n})" + ("" if quant == "none" else f" {quant}")
+                    spec = {**spec, "quantization": quant}
+                    rows[name + tag] = LLM(path, **kw, speculative_config=spec)
+                    if args.extend_graphs and not eager:
+                        llm = rows[name + " +extend graph"] = LLM(path, **kw, speculative_config=spec)
+                        llm.engine.proposer.graphs.extends = True
         if args.ngram:
             rows[f"ngram ({args.steps}){tag}"] = LLM(path, **kw, speculative_config={
                 "method": "ngram", "num_speculative_tokens": args.steps})

@@ -1,6 +1,7 @@
 """What one decode / verify step's matmuls cost on this CPU: every weight of a Llama-shaped target, read
 once for 1 to 16 input rows, with torch's default F.linear (MKL), with oneDNN pre-packed weights and with
-our few-row kernel (`tsengine/kernels/rows_linear.cpp`; `tsengine/linear.py` picks between them). Random
+our few-row kernel (`tsengine/kernels/rows_linear.cpp`; `tsengine/linear.py` picks between them), and that
+kernel on int8 weights (what the draft head can run; GB/s there counts the fp32 bytes it stands for). Random
 weights of the real shapes (default SmolLM2-135M); min over repeats, the kernels interleaved per repeat.
 
     python bench/matmul_rows.py [--rows 1,2,4,8,16 --hidden 576 --inter 1536 --layers 30 --heads 9 --kv-heads 3
@@ -37,7 +38,11 @@ def main() -> None:
     kernels = {"F.linear (MKL)": lambda x, w, p: F.linear(x, w),
                "oneDNN packed": lambda x, w, p: lp(x, p, None, "none", [], "")}
     if rows_linear.available():
+        from tsengine.linear import quantize_int8
+
         kernels["rows_linear"] = lambda x, w, p: rows_linear.rows_linear(x, w)
+        int8 = {id(w): quantize_int8(w) for w in ws}  # GB/s below counts fp32 bytes: int8 reads a quarter
+        kernels["rows_linear int8"] = lambda x, w, p: rows_linear.rows_linear_int8(x, *int8[id(w)])
     print(f"{mb:.0f} MB of fp32 weights, torch threads {torch.get_num_threads()}")
     print("| rows | " + " | ".join(f"{k} ms | GB/s" for k in kernels) + " |")
     print("| --- |" + " --- | --- |" * len(kernels))

@@ -54,6 +54,18 @@ def make_llm(tiny_dirs, kind="llama", head=None, steps=3, **kw):
     return LLM(str(tiny_dirs[kind]), speculative_config=spec, **kw)
 
 
+def first_drafts(llm, prompt: list[int]) -> tuple[list[int], list[int]]:
+    """Run one greedy request until its first output token: (its tokens then, the drafts made from them)."""
+    from tsengine.sampling import SamplingParams
+
+    e = llm.engine
+    e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    while not e.requests["r"].num_output:
+        e.step()
+    seq = e.requests["r"]
+    return list(seq.tokens), seq.drafts.tokens.tolist()
+
+
 def random_workload(engine, prompts, params, seed: int, abort_rate: float):
     """Requests arrive at random (half the steps) and are aborted at random (`abort_rate` per step) until
     the engine is idle. Returns (tokens per request index, aborted indices, whether any was preempted)."""

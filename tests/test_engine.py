@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
-from tests.helpers import PROMPTS, greedy_truth, make_llm, random_workload
+from tests.helpers import PROMPTS, first_drafts, greedy_truth, make_llm, random_workload
 from tsengine.context import Context
 from tsengine.errors import UserError
 from tsengine.llm import LLM
@@ -120,15 +120,11 @@ def test_engine_drafts_equal_the_reference_drafter(tiny_dirs, tiny_models, heads
     ref = ReferenceSpeculator(hf, head, SpecShape(3, 1, 4))
     prompt = PROMPTS[2]
     for budget in (64, 16, 7, 3):
-        llm = make_llm(tiny_dirs, "llama", heads["llama"], max_num_batched_tokens=budget)
-        e = llm.engine
-        e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-        while not e.requests["r"].num_output:
-            e.step()
-        seq = e.requests["r"]
+        tokens, drafts = first_drafts(make_llm(tiny_dirs, "llama", heads["llama"], max_num_batched_tokens=budget),
+                                      prompt)
         with torch.no_grad():
-            feats = ref._target(seq.tokens[:-1])[1]
-        assert seq.drafts.tokens.tolist() == ref.draft(seq.tokens, feats).tokens, f"chunk budget {budget}"
+            feats = ref._target(tokens[:-1])[1]
+        assert drafts == ref.draft(tokens, feats).tokens, f"chunk budget {budget}"
 
 
 # ---- scheduler under pressure ------------------------------------------------------------------------------

@@ -64,3 +64,80 @@ def test_compiled_graph_calls_the_kernel():
     with torch.no_grad():
         got = torch.compile(step, fullgraph=True, options={"cpp_wrapper": True})(x, r)
     torch.testing.assert_close(got, r + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+# ---- int8 weights (the draft head's --speculative-draft-model-quantization int8) ------------------------------
+def _int8(out_features: int, in_features: int, seed: int):
+    from tsengine.linear import quantize_int8
+
+    w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    q, scale = quantize_int8(w)
+    return w, q, scale, q.float() * scale[:, None]
+
+
+def test_int8_quantization_is_per_row_and_within_half_a_step():
+    w, q, scale, deq = _int8(96, 64, 0)
+    assert q.dtype == torch.int8 and scale.shape == (96,)
+    assert (q.abs().amax(dim=1) == 127).all()  # each row's largest weight uses the whole range
+    assert ((w - deq).abs() <= scale[:, None] / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("out_features", [1, 7, 96, 130])
+def test_int8_matches_f_linear_on_the_dequantized_weights(rows, out_features):
+    _, q, scale, deq = _int8(out_features, 64, rows * 1000 + out_features)
+    g = torch.Generator().manual_seed(rows)
+    x, b, r = torch.randn(rows, 64, generator=g), torch.randn(out_features, generator=g), torch.randn(rows, out_features, generator=g)
+    torch.testing.assert_close(rows_linear.rows_linear_int8(x, q, scale), F.linear(x, deq), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows_linear.rows_linear_int8(x, q, scale, b, r), r + F.linear(x, deq, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rows_are_the_same_bits_in_any_batch():
+    _, q, scale, _ = _int8(1539, 576, 1)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(2))
+    full = rows_linear.rows_linear_int8(x, q, scale)
+    for rows in (1, 2, 3, 5, 16):
+        for start in range(0, 16 - rows + 1, rows):
+            assert torch.equal(rows_linear.rows_linear_int8(x[start:start + rows], q, scale), full[start:start + rows])
+
+
+@torch.no_grad()
+def test_accelerate_int8_makes_the_module_the_int8_model_on_every_path(monkeypatch):
+    """Few rows read the int8 weights; more rows (prefill) and anything reading the parameters see their
+    dequantized values: one model, whatever the batch."""
+    from torch import nn
+
+    from tsengine.linear import accelerate
+
+    calls = []
+    real = rows_linear.rows_linear_int8
+    monkeypatch.setattr(rows_linear, "rows_linear_int8", lambda *a: calls.append(a[0].shape) or real(*a))
+    lin = nn.Linear(64, 48)
+    original = lin.weight.clone()
+    accelerate(lin, "int8")
+    q, scale = lin.forward.qweight, lin.forward.scale
+    deq = q.float() * scale[:, None]
+    assert torch.equal(lin.weight, deq) and not torch.equal(lin.weight, original)
+    few, many = torch.randn(rows_linear.MAX_ROWS, 64), torch.randn(rows_linear.MAX_ROWS + 1, 64)
+    torch.testing.assert_close(lin(few), F.linear(few, deq, lin.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin(many), F.linear(many, deq, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [few.shape]
+    with pytest.raises(ValueError, match="allowed: none, int8"):
+        accelerate(nn.Linear(8, 8), "int4")
+
+
+def test_compiled_graph_calls_the_int8_kernel():
+    from torch import nn
+
+    from tsengine.linear import accelerate
+
+    lin = accelerate(nn.Linear(64, 48), "int8")
+    x, r = torch.randn(4, 64), torch.randn(4, 48)
+    step = torch.compile(lambda x, r: lin.forward.add(x, r), fullgraph=True, options={"cpp_wrapper": True})
+    with torch.no_grad():
+        step(x, r)
+        with torch.profiler.profile() as prof:
+            got = step(x, r)
+    torch.testing.assert_close(got, r + F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert "tsengine_cpu::rows_linear_int8" in {e.name for e in prof.events()}

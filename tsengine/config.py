@@ -84,6 +84,9 @@ class SpeculativeConfig(_Strict):
     tree_sampling: Literal["gumbel", "multiround"] = Field("gumbel", description=(
         "temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround (point-mass "
         "multi-round rejection)"))
+    draft_model_quantization: Literal["none", "int8"] = Field("none", description=(
+        "EAGLE3 head weights: none (as loaded) or int8 (per-row symmetric, CPU fp32 only: a quarter of the "
+        "bytes each draft step reads; drafts may differ, outputs cannot)"))
     adaptive: bool = Field(False, description=(
         "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
         "lookup or none) and the configured tree, from the measured acceptance and step cost "
@@ -108,6 +111,9 @@ class SpeculativeConfig(_Strict):
                             "DIR (or \"model\" in --speculative-config)")
         if self.algorithm == "NGRAM" and self.draft_model_path:
             problems.append("speculative_draft_model_path is set but NGRAM uses no draft model")
+        if self.draft_model_quantization != "none" and self.algorithm != "EAGLE3":
+            problems.append(f"speculative_draft_model_quantization {self.draft_model_quantization} quantizes an EAGLE3 "
+                            f"head; {self.algorithm} has none")
         if self.adaptive and self.algorithm != "EAGLE3":
             problems.append("adaptive speculation chooses among plain decoding, prompt lookup and the EAGLE3 head's "
                             "chains and trees: it needs --speculative-algorithm EAGLE3 and a draft model")
@@ -120,15 +126,17 @@ class SpeculativeConfig(_Strict):
     def resolve(algorithm: str | None = None, draft_model_path: str | None = None, num_steps: int | None = None,
                 eagle_topk: int | None = None, num_draft_tokens: int | None = None,
                 config_json: str | dict | None = None, speculative_sampling: bool | None = None,
-                tree_sampling: str | None = None, adaptive: bool | None = None) -> "SpeculativeConfig | None":
+                tree_sampling: str | None = None, adaptive: bool | None = None,
+                draft_model_quantization: str | None = None) -> "SpeculativeConfig | None":
         """Merge the flags and the JSON form; None when no speculation is asked for (the sampling-rule flags
         alone do not ask for it)."""
         flags = {"algorithm": algorithm, "draft_model_path": draft_model_path, "num_steps": num_steps,
                  "eagle_topk": eagle_topk, "num_draft_tokens": num_draft_tokens}
         flags = {k: v for k, v in flags.items() if v is not None}
-        rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling, "adaptive": adaptive}
+        rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling, "adaptive": adaptive,
+                 "draft_model_quantization": draft_model_quantization}
         rules = {k: v for k, v in rules.items() if v is not None}
-        asked = {k for k, v in rules.items() if v not in (False, "gumbel")}  # the defaults ask for nothing
+        asked = {k for k, v in rules.items() if v not in (False, "gumbel", "none")}  # the defaults ask for nothing
         merged = dict(flags)
         if config_json is not None:
             if isinstance(config_json, str):
@@ -143,7 +151,8 @@ class SpeculativeConfig(_Strict):
                      "num_draft_tokens": "num_draft_tokens", "prompt_lookup_min": "prompt_lookup_min",
                      "prompt_lookup_max": "prompt_lookup_max", "enable_speculative_sampling": "speculative_sampling",
                      "speculative_sampling": "speculative_sampling", "tree_sampling": "tree_sampling",
-                     "adaptive": "adaptive"}
+                     "adaptive": "adaptive", "quantization": "draft_model_quantization",
+                     "draft_model_quantization": "draft_model_quantization"}
             problems = []
             for key, value in config_json.items():
                 if key not in names:

@@ -26,7 +26,8 @@ SPECULATIVE_FLAGS = {"algorithm": "--speculative-algorithm", "draft_model_path":
                      "num_steps": "--speculative-num-steps", "eagle_topk": "--speculative-eagle-topk",
                      "num_draft_tokens": "--speculative-num-draft-tokens",
                      "speculative_sampling": "--enable-speculative-sampling", "tree_sampling": "--spec-tree-sampling",
-                     "adaptive": "--speculative-adaptive"}
+                     "adaptive": "--speculative-adaptive",
+                     "draft_model_quantization": "--speculative-draft-model-quantization"}
 
 
 def _engine_flags() -> dict[str, str]:

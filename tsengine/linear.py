@@ -7,6 +7,9 @@ decode steps and speculation could never pay. oneDNN's packed kernel (packed onc
 still costs 1.33x one row at 4 rows. `rows_linear` (tsengine/kernels/rows_linear.cpp) reads each weight
 once for every row, and sums every output in the same order whatever the rows: a token's logits are the
 same bits in a decode step and in a verify window.
+
+The draft head can also run in int8 (`accelerate(head, "int8")`, docs/design/eagle3-head.md): at batch 1
+drafting is a read of the head's weights, and int8 reads a quarter of the bytes.
 """
 
 from __future__ import annotations
@@ -76,10 +79,26 @@ def compiled_packed_ops() -> str:
     return _PACKED_OPS
 
 
-class Linear:
-    """y = x W^T (+ b), with the weight packed once when that is faster."""
+QUANTIZATIONS = ("none", "int8")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: (q int8 [N, K], scale fp32 [N]) with weight ~ q * scale[:, None]."""
+    scale = (weight.detach().abs().amax(dim=1).float() / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(weight.detach().float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+class Linear:
+    """y = x W^T (+ b), with the weight packed once when that is faster.
+
+    `int8` = (q, scale) of `weight`, which must hold their dequantized values: few rows then read the int8
+    weights (a quarter of the bytes) and every other path (prefill chunks) the fp32 copy of the same
+    values, so one model writes the head's KV whatever the batch."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 int8: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.qweight, self.scale = int8 if int8 is not None else (None, None)
         self.weight, self.bias, self.packed = weight, bias, None
         if _packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
@@ -93,6 +112,11 @@ class Linear:
         """A decode or verify step's few rows: our kernel (shapes are static inside a compiled graph)."""
         return self.few_rows and x.numel() <= rows_linear.MAX_ROWS * x.shape[-1] and x.is_contiguous()
 
+    def _few(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.qweight is not None:
+            return rows_linear.rows_linear_int8(x, self.qweight, self.scale, self.bias, residual)
+        return rows_linear.rows_linear(x, self.weight, self.bias, residual)
+
     def _compiled_packed(self, x: torch.Tensor) -> bool:
         """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,
         25 vs 33 ms per SmolLM2 step), more rows to the packed kernel. Shapes are static there."""
@@ -101,7 +125,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
             if self._rows(x):
-                return rows_linear.rows_linear(x, self.weight, self.bias)
+                return self._few(x)
             if not torch.compiler.is_compiling():
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             if self._compiled_packed(x) and _PACKED_OPS == "fallback":
@@ -114,7 +138,7 @@ class Linear:
         if self._fast(x):
             # The residual add rides on the matmul (bitwise equal): one eager op less, ~10 µs on this CPU.
             if self._rows(x):
-                return rows_linear.rows_linear(x, self.weight, self.bias, residual)
+                return self._few(x, residual)
             if not torch.compiler.is_compiling():
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
             if self._compiled_packed(x) and _PACKED_OPS == "fallback":
@@ -124,10 +148,31 @@ class Linear:
         return torch.add(residual, F.linear(x, self.weight, self.bias))
 
 
-def accelerate(module: nn.Module) -> nn.Module:
+def _round_to_int8(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overwrite `lin`'s weight with its int8-dequantized values; returns (q, scale)."""
+    q, scale = quantize_int8(lin.weight)
+    with torch.no_grad():
+        lin.weight.copy_(q.float() * scale[:, None])
+    return q, scale
+
+
+def round_to_int8(module: nn.Module) -> nn.Module:
+    """Every nn.Linear weight of `module` replaced by its int8-dequantized values: the model the engine runs
+    under `accelerate(module, "int8")`, for the reference generator and evaluation."""
+    for lin in module.modules():
+        if isinstance(lin, nn.Linear):
+            _round_to_int8(lin)
+    return module
+
+
+def accelerate(module: nn.Module, quantization: str = "none") -> nn.Module:
     """Give every nn.Linear inside `module` the packed forward, for inference (the engine's copy of the
-    draft head; the trainer never calls this). The module's definition and weights are unchanged."""
+    draft head; the trainer never calls this). The module's definition is unchanged; its weights too,
+    unless `quantization` is "int8": then each weight becomes its dequantized int8 values, so whatever
+    reads the module's parameters sees the model the fast path runs."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and _packable(lin.weight):
-            lin.forward = Linear(lin.weight, lin.bias)
+            lin.forward = Linear(lin.weight, lin.bias, _round_to_int8(lin) if quantization == "int8" else None)
     return module

@@ -59,7 +59,8 @@ class ModelRunner:
             aux_ids = self.head.config.aux_layer_ids
         from tsengine import support
 
-        support.check(self.backend, spec, self.head.config.draft_vocab_size if self.head is not None else None)
+        support.check(self.backend, spec, self.head.config.draft_vocab_size if self.head is not None else None,
+                      self.device, self.dtype)
         # RoPE rows for every position a request can touch: its verify window (and draft lanes) reach
         # reserve_slots past its last token, which may be the last allowed one
         self.model = load_model(path, hf, self.dtype, self.device, aux_ids, self.backend,

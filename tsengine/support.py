@@ -47,7 +47,20 @@ def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
     return problems
 
 
-def check(backend: str, spec, draft_vocab_size: int | None = None) -> None:
+def _quantization(spec, device, dtype) -> list[str]:
+    """The int8 head is a CPU kernel's format (tsengine/kernels/rows_linear.cpp): elsewhere it would run
+    as slowly as fp32 and draft worse, so it is refused rather than silently kept."""
+    if spec is None or spec.draft_model_quantization == "none" or device is None:
+        return []
+    import torch
+
+    if torch.device(device).type == "cpu" and dtype == torch.float32:
+        return []
+    return [f"speculative_draft_model_quantization {spec.draft_model_quantization}: the CPU float32 head's format; "
+            f"this engine runs the head on {device} in {str(dtype).removeprefix('torch.')}: use none"]
+
+
+def check(backend: str, spec, draft_vocab_size: int | None = None, device=None, dtype=None) -> None:
     """Raise one UserError listing every blocker of this configuration (or return)."""
-    fail_if(_attention(backend, spec) + _sampler(spec) + _drafter(spec, draft_vocab_size),
-            "this configuration cannot run; every blocker")
+    fail_if(_attention(backend, spec) + _sampler(spec) + _drafter(spec, draft_vocab_size)
+            + _quantization(spec, device, dtype), "this configuration cannot run; every blocker")

@@ -8,9 +8,13 @@
 // Batch invariance, on purpose: y[m, n] is summed in the same order whatever the number of rows and
 // wherever row m sits in its block (8 lanes over k, then a fixed horizontal sum), so a token's logits are
 // bitwise the same in a 1-row decode step and in a verify window: speculation cannot flip a near-tie.
+// The int8 variant (rows_linear_int8) reads weights stored as int8 with one fp32 scale per output row
+// (the draft head, opt-in): a quarter of the bytes, widened to fp32 in registers, summed in the same
+// fixed order, and scaled once per output: y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -27,10 +31,16 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // MB input rows against NW weight rows: NW*MB accumulators over k, 8 lanes each. NW weight rows stream
 // from memory side by side (more loads in flight); each MB-row block after the first rereads them from L1.
-template <int NW, int MB>
-inline void block(const float* __restrict x, int64_t K, const float* __restrict w, float* __restrict out) {
+template <int NW, int MB, typename W>
+inline void block(const float* __restrict x, int64_t K, const W* __restrict w, float* __restrict out) {
   __m256 acc[NW][MB];
 #pragma GCC unroll 16
   for (int i = 0; i < NW; ++i)
@@ -40,8 +50,9 @@ inline void block(const float* __restrict x, int64_t K, const float* __restrict 
     __m256 wv[NW];
 #pragma GCC unroll 16
     for (int i = 0; i < NW; ++i) {
-      wv[i] = _mm256_loadu_ps(w + i * K + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NW + i) * K + k), _MM_HINT_T0);  // two groups ahead
+      wv[i] = load8(w + i * K + k);
+      if (sizeof(W) == 4 || (k & 63) == 0)  // a line per prefetch: 16 floats or 64 int8 weights
+        _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NW + i) * K + k), _MM_HINT_T0);  // two groups ahead
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
@@ -57,35 +68,37 @@ inline void block(const float* __restrict x, int64_t K, const float* __restrict 
 }
 
 // Every input row against NW weight rows, in blocks of 4 rows (then the 1-3 left).
-template <int NW>
-inline void rows_against(const float* x, int64_t M, const float* w, int64_t K, float* out /* [M][NW] */) {
+template <int NW, typename W>
+inline void rows_against(const float* x, int64_t M, const W* w, int64_t K, float* out /* [M][NW] */) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block<NW, 4>(x + m * K, K, w, out + m * NW);
+  for (; m + 4 <= M; m += 4) block<NW, 4, W>(x + m * K, K, w, out + m * NW);
   switch (M - m) {
-    case 3: block<NW, 3>(x + m * K, K, w, out + m * NW); break;
-    case 2: block<NW, 2>(x + m * K, K, w, out + m * NW); break;
-    case 1: block<NW, 1>(x + m * K, K, w, out + m * NW); break;
+    case 3: block<NW, 3, W>(x + m * K, K, w, out + m * NW); break;
+    case 2: block<NW, 2, W>(x + m * K, K, w, out + m * NW); break;
+    case 1: block<NW, 1, W>(x + m * K, K, w, out + m * NW); break;
     default: break;
   }
 }
 
-// Output features [n, n + NW) for every row, with bias and residual.
-template <int NW>
-inline void features(const float* x, int64_t M, const float* w, int64_t K, int64_t N, int64_t n, const float* bias,
-                     const float* residual, float* y, float* out) {
-  rows_against<NW>(x, M, w + n * K, K, out);
+// Output features [n, n + NW) for every row, with scale (int8 weights), bias and residual.
+template <int NW, typename W>
+inline void features(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t n, const float* scale,
+                     const float* bias, const float* residual, float* y, float* out) {
+  rows_against<NW, W>(x, M, w + n * K, K, out);
   for (int64_t m = 0; m < M; ++m)
     for (int i = 0; i < NW; ++i) {
       float v = out[m * NW + i];
+      if (scale) v *= scale[n + i];
       if (bias) v += bias[n + i];
       if (residual) v += residual[m * N + n + i];
       y[m * N + n + i] = v;
     }
 }
 
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x.dtype() == at::kFloat && weight.dtype() == at::kFloat, "rows_linear: float32 only");
+template <typename W>
+at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const float* scale, const std::optional<at::Tensor>& bias,
+               const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dtype() == at::kFloat, "rows_linear: float32 inputs only");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rows_linear: contiguous inputs only");
   const int64_t K = weight.size(1), N = weight.size(0), M = x.numel() / K;
   TORCH_CHECK(K % 8 == 0 && x.size(-1) == K, "rows_linear: in_features must match and be a multiple of 8");
@@ -93,7 +106,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const W* wp = weight.data_ptr<W>();
   TORCH_CHECK(!bias || (bias->numel() == N && bias->is_contiguous()), "rows_linear: bias shape");
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   at::Tensor res;  // held here: a temporary's pointer would dangle
@@ -111,22 +124,38 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std:
       int64_t n = g * nw;
       const int64_t stop = std::min(n + nw, N);
       if (nw == 4 && n + 4 <= stop) {
-        features<4>(xp, M, wp, K, N, n, bp, rp, yp, out.data());
+        features<4, W>(xp, M, wp, K, N, n, scale, bp, rp, yp, out.data());
         n += 4;
       }
-      for (; n + 2 <= stop; n += 2) features<2>(xp, M, wp, K, N, n, bp, rp, yp, out.data());
-      if (n < stop) features<1>(xp, M, wp, K, N, n, bp, rp, yp, out.data());
+      for (; n + 2 <= stop; n += 2) features<2, W>(xp, M, wp, K, N, n, scale, bp, rp, yp, out.data());
+      if (n < stop) features<1, W>(xp, M, wp, K, N, n, scale, bp, rp, yp, out.data());
     }
   });
   return y;
+}
+
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(weight.dtype() == at::kFloat, "rows_linear: float32 weights only");
+  return run<float>(x, weight, nullptr, bias, residual);
+}
+
+at::Tensor rows_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(weight.dtype() == at::kChar, "rows_linear_int8: int8 weights only");
+  TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
+              "rows_linear_int8: one float32 scale per output feature");
+  return run<int8_t>(x, weight, scale.data_ptr<float>(), bias, residual);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tsengine_cpu, lib) {
   lib.def("rows_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
+  lib.def("rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tsengine_cpu, CPU, lib) {
   lib.impl("rows_linear", &rows_linear);
+  lib.impl("rows_linear_int8", &rows_linear_int8);
 }

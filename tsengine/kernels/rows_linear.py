@@ -48,9 +48,19 @@ def available() -> bool:
     def _(x, weight, bias, residual):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+    @torch.library.register_fake("tsengine_cpu::rows_linear_int8")
+    def _(x, weight, scale, bias, residual):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
     return True
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.tsengine_cpu.rows_linear(x, weight, bias, residual)
+
+
+def rows_linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` int8 [N, K] with `scale` fp32 [N]: y = scale * (x @ weight^T) (+ bias) (+ residual)."""
+    return torch.ops.tsengine_cpu.rows_linear_int8(x, weight, scale, bias, residual)

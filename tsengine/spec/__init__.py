@@ -17,7 +17,7 @@ def build_proposer(spec, runner) -> Proposer:
     from tsengine.spec.eagle3 import Eagle3Proposer
 
     eagle = Eagle3Proposer(runner.head, spec.num_steps, runner.draft_kv, runner.block_size, runner.backend,
-                           spec.eagle_topk, spec.num_draft_tokens, spec.rule)
+                           spec.eagle_topk, spec.num_draft_tokens, spec.rule, spec.draft_model_quantization)
     if runner.compiled is not None:
         from tsengine.graphs import DraftGraphs
 

@@ -36,8 +36,9 @@ from tsengine.spec.tree import Tree, TreeBuilder
 
 class Eagle3Proposer:
     def __init__(self, head: Eagle3Head, num_steps: int, kv, block_size: int, backend: str, topk: int = 1,
-                 num_nodes: int | None = None, rule: str = "gumbel"):
-        self.head, self.steps, self.kv, self.block_size, self.backend = accelerate(head), num_steps, kv, block_size, backend
+                 num_nodes: int | None = None, rule: str = "gumbel", quantization: str = "none"):
+        self.head = accelerate(head, quantization)
+        self.steps, self.kv, self.block_size, self.backend = num_steps, kv, block_size, backend
         self.topk, self.num_nodes, self.rule = topk, num_nodes or num_steps + 1, rule
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
