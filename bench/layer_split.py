@@ -10,7 +10,8 @@ forwards of one token at position `--position`:
 `--compiled` profiles the compiled step graph instead (tsengine/graphs.py): the pieces are fused there, so
 it lists torch profiler's ops (the matmuls, inductor's fused C++ kernels) per forward, and the wall time;
 `--rows` times a verify window of each row count too (one graph each, rounds alternating in one process),
-and prints each one's wall time against the first's: issue 16's "4-row verify ≤ 1.1× a 1-row decode".
+and prints each one's wall time against the first's (issue 16's "4-row verify ≤ 1.1× a 1-row decode"),
+and each one's profile beside the first's.
 
 `--thread` runs the loop on a second thread while the main thread keeps the pool it loaded the model
 with (the OpenMP pool effect in docs/benchmarks.md).
@@ -126,13 +127,19 @@ def compiled_profile(a) -> None:
                 forward()
             walls[n].append((time.perf_counter() - t0) / max(1, a.forwards // 5))
     first = next(iter(steps))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(a.forwards):
-            steps[first]()
-    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]
-    print(f"| op (compiled graph, {first} row(s), self time) | calls per forward | ms per forward |\n| --- | --- | --- |")
-    for e in ops:
-        print(f"| {e.key[:60]} | {e.count / a.forwards:.0f} | {e.self_cpu_time_total / a.forwards / 1e3:.2f} |")
+    per_op: dict[int, dict[str, tuple[float, float]]] = {}  # rows -> op -> (calls, ms) per forward
+    for n, forward in steps.items():  # each row count's own profile: where its extra time over 1 row goes
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(a.forwards):
+                forward()
+        per_op[n] = {e.key: (e.count / a.forwards, e.self_cpu_time_total / a.forwards / 1e3)
+                     for e in prof.key_averages()}
+    top = sorted(per_op[first], key=lambda k: -per_op[first][k][1])[:14]
+    print(f"| op (compiled graph, self time) | calls per forward | "
+          + " | ".join(f"ms, {n} row(s)" for n in steps) + " |\n|" + " --- |" * (2 + len(steps)))
+    for key in top:
+        ms = " | ".join(f"{per_op[n].get(key, (0, 0.0))[1]:.2f}" for n in steps)
+        print(f"| {key[:60]} | {per_op[first][key][0]:.0f} | {ms} |")
     base = statistics.median(walls[first])
     print("\n| rows per step | wall ms per forward (median of 5 rounds) | vs the first |\n| --- | --- | --- |")
     for n, w in walls.items():

@@ -30,6 +30,7 @@ said so on stderr and recorded as that shape's `backend`. `reference` measures w
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import json
@@ -216,9 +217,9 @@ def measure(backend: str, prompts, shapes, max_new_tokens: int, *, target: str, 
 
         load = reference
 
-        def reference():
+        def reference():  # a copy in fp32, the engine's dtype: the caller's head is left as it was
             model, tok, head = load()
-            return model, tok, round_to_int8(head)
+            return model, tok, round_to_int8(copy.deepcopy(head).float())
     reference = functools.cache(reference)  # one HF target load for the oracle and the refused shapes
     why = {sh: engine_refusal(sh) for sh in shapes} if backend == "engine" else {sh: None for sh in shapes}
     for (s, k, n), reason in why.items():
@@ -236,6 +237,7 @@ def measure(backend: str, prompts, shapes, max_new_tokens: int, *, target: str, 
     if slow:
         results |= evaluate(*reference(), prompts, slow, max_new_tokens, progress)
     for sh in shapes:
+        results["{},{},{}".format(*sh)]["draft_quantization"] = draft_quantization  # kept in --json files
         if why[sh]:
             results["{},{},{}".format(*sh)]["engine_refused"] = why[sh]
     return {"{},{},{}".format(*sh): results["{},{},{}".format(*sh)] for sh in shapes}

@@ -60,17 +60,29 @@ def test_engine_drafts_equal_the_reference_drafter_on_the_dequantized_head(tiny_
 
 @needs_kernel
 @pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)])
-def test_outputs_with_the_int8_head_are_the_targets(tiny_dirs, heads, shape):
+def test_outputs_with_the_int8_head_are_the_targets(tiny_dirs, tiny_models, heads, shape, tmp_path):
+    """With the coarse head, whose int8 drafts differ from its fp32 ones (the first test)."""
+    _coarse_head(heads, tiny_models["llama"][0], tmp_path)
     s, k, n = shape
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, seed=11)]
     prompts = PROMPTS[:2]
     plain = make_llm(tiny_dirs).generate(prompts, params)
     llm = LLM(str(tiny_dirs["llama"]), debug_checks=True, block_size=4, max_num_batched_tokens=16,
-              speculative_config=_int8_spec(heads["llama"], s, eagle_topk=k, num_draft_tokens=n))
+              speculative_config=_int8_spec(tmp_path, s, eagle_topk=k, num_draft_tokens=n))
+    linears = [m for m in llm.engine.runner.head.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.forward.qweight is not None for m in linears), "the head must be served in int8"
     spec = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.stats.num_drafts > 0
+
+
+def test_without_the_kernel_int8_is_refused_by_name(tiny_dirs, heads, monkeypatch):
+    """No AVX2, no g++ or TSENGINE_ROWS_LINEAR=0: int8 would run at fp32 speed and draft worse."""
+    monkeypatch.setattr(rows_linear, "available", lambda: False)
+    with pytest.raises(UserError, match=re.escape("speculative_draft_model_quantization int8: the few-row kernel is "
+                                                  "unavailable")):
+        LLM(str(tiny_dirs["llama"]), speculative_config=_int8_spec(heads["llama"]))
 
 
 @pytest.mark.parametrize("kw, msg", [

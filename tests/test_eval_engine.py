@@ -224,28 +224,38 @@ def test_pipeline_eval_is_sized_to_a_quick_run(setup, tmp_path):
     assert (user["num_prompts"], user["max_new_tokens"]) == (20, 100)  # the user's numbers (all 8 prompts run)
 
 
-
 def test_int8_eval_is_checked_against_the_head_the_engine_serves(setup, monkeypatch):
-    """`--draft-quantization int8`: the oracle's reference drafts with the head's weights rounded to int8
-    (the model the engine serves), and agrees with the engine's tokens and accept lengths."""
+    """`--draft-quantization int8`: the engine serves the head in int8, the oracle's reference drafts with
+    the head's weights rounded to int8 (a copy: the caller's head is untouched), and the two agree."""
     import copy
 
+    from tsengine import llm as llm_module
     from tsengine.infer import reference
     from tsengine.linear import round_to_int8
 
-    seen = []
+    seen, served = [], []
 
     class Recording(reference.ReferenceSpeculator):
         def __init__(self, model, head, shape):
             seen.append(head)
             super().__init__(model, head, shape)
 
+    class Serving(llm_module.LLM):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            served.append(self.engine.config.speculative.draft_model_quantization)
+
     monkeypatch.setattr(reference, "ReferenceSpeculator", Recording)
+    monkeypatch.setattr(llm_module, "LLM", Serving)
+    before = copy.deepcopy(setup["head"].state_dict())
     res = ev.measure("engine", setup["prompts"], SHAPES[:1], NEW, target=setup["dir"], draft=setup["head_dir"],
-                     reference=lambda: (setup["model"], setup["tok"], copy.deepcopy(setup["head"])),
+                     reference=lambda: (setup["model"], setup["tok"], setup["head"]),
                      oracle_prompts=3, progress=False, draft_quantization="int8")["3,1,4"]
+    assert served == ["int8"] and res["draft_quantization"] == "int8"
     assert [p["status"] for p in res["oracle"]["prompts"]] == ["match"] * 3
     want = round_to_int8(copy.deepcopy(setup["head"])).state_dict()
-    assert len(seen) == 1 and not torch.equal(want["fc.weight"], setup["head"].state_dict()["fc.weight"])
+    assert len(seen) == 1 and not torch.equal(want["fc.weight"], before["fc.weight"])
     for name, tensor in seen[0].state_dict().items():
         assert torch.equal(tensor, want[name]), name
+    for name, tensor in setup["head"].state_dict().items():
+        assert torch.equal(tensor, before[name]), f"the caller's head was changed: {name}"

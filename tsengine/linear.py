@@ -82,6 +82,16 @@ def compiled_packed_ops() -> str:
 QUANTIZATIONS = ("none", "int8")
 
 
+def int8_unavailable() -> str | None:
+    """Why this process cannot run the int8 head's kernel, or None: without it the int8 head would run
+    as slowly as fp32 and draft worse, so it is refused rather than kept."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return "this torch has no oneDNN"
+    if not rows_linear.available():
+        return "the few-row kernel is unavailable (it needs g++ and an AVX2/FMA CPU; TSENGINE_ROWS_LINEAR=0 turns it off)"
+    return None
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8: (q int8 [N, K], scale fp32 [N]) with weight ~ q * scale[:, None]."""
     scale = (weight.detach().abs().amax(dim=1).float() / 127).clamp_min(torch.finfo(torch.float32).tiny)
@@ -172,6 +182,8 @@ def accelerate(module: nn.Module, quantization: str = "none") -> nn.Module:
     reads the module's parameters sees the model the fast path runs."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
+    if quantization == "int8" and (why := int8_unavailable()):
+        raise ValueError(f"quantization int8: {why}")
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and _packable(lin.weight):
             lin.forward = Linear(lin.weight, lin.bias, _round_to_int8(lin) if quantization == "int8" else None)

@@ -48,16 +48,19 @@ def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
 
 
 def _quantization(spec, device, dtype) -> list[str]:
-    """The int8 head is a CPU kernel's format (tsengine/kernels/rows_linear.cpp): elsewhere it would run
-    as slowly as fp32 and draft worse, so it is refused rather than silently kept."""
+    """The int8 head is a CPU kernel's format (tsengine/kernels/rows_linear.cpp): elsewhere, or without
+    that kernel, it would run as slowly as fp32 and draft worse, so it is refused rather than silently kept."""
     if spec is None or spec.draft_model_quantization == "none" or device is None:
         return []
     import torch
 
-    if torch.device(device).type == "cpu" and dtype == torch.float32:
-        return []
-    return [f"speculative_draft_model_quantization {spec.draft_model_quantization}: the CPU float32 head's format; "
-            f"this engine runs the head on {device} in {str(dtype).removeprefix('torch.')}: use none"]
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return [f"speculative_draft_model_quantization {spec.draft_model_quantization}: the CPU float32 head's "
+                f"format; this engine runs the head on {device} in {str(dtype).removeprefix('torch.')}: use none"]
+    from tsengine.linear import int8_unavailable
+
+    why = int8_unavailable()
+    return [f"speculative_draft_model_quantization {spec.draft_model_quantization}: {why}: use none"] if why else []
 
 
 def check(backend: str, spec, draft_vocab_size: int | None = None, device=None, dtype=None) -> None:

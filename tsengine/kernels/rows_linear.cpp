@@ -51,7 +51,7 @@ inline void block(const float* __restrict x, int64_t K, const W* __restrict w, f
 #pragma GCC unroll 16
     for (int i = 0; i < NW; ++i) {
       wv[i] = load8(w + i * K + k);
-      if (sizeof(W) == 4 || (k & 63) == 0)  // a line per prefetch: 16 floats or 64 int8 weights
+      if (sizeof(W) == 4 || (k & 63) == 0)  // fp32: every 8 floats; int8: once a 64-byte line
         _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NW + i) * K + k), _MM_HINT_T0);  // two groups ahead
     }
 #pragma GCC unroll 16
