@@ -189,3 +189,19 @@ def test_tune_measures_every_configuration_and_recommends_flags(tiny_dirs, heads
     printed = capsys.readouterr().out
     assert "recommended, per load:" in printed and "tsengine serve --model" in printed
     assert main(["tune", "--model", "x", "--prompts", str(prompts), "--trees", "6x8x32"]) == 2  # lane rule
+
+
+def test_tune_int8_serves_every_head_configuration_in_int8():
+    """`tune --draft-quantization int8`: each head candidate's serve flags and engine config carry int8;
+    plain and NGRAM carry nothing."""
+    from tsengine.config import SpeculativeConfig
+    from tsengine.tune import candidates
+
+    cands = candidates("HEAD", 2, [(3, 2, 6)], True, "int8")
+    heads = [c for c in cands if c.spec and c.spec["algorithm"] == "EAGLE3"]
+    assert len(heads) == 4 and {c.name for c in cands} - {c.name for c in heads} == {"plain", "ngram 2"}
+    for c in heads:
+        assert c.flags[-2:] == ["--speculative-draft-model-quantization", "int8"], c.name
+        assert SpeculativeConfig.resolve(**c.spec).draft_model_quantization == "int8", c.name
+    assert all("--speculative-draft-model-quantization" not in c.flags for c in cands if c not in heads)
+

@@ -111,7 +111,7 @@ def _tune(args) -> None:
     levels = _levels(args.concurrency)
     engine_kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     report = tune(args.model, args.draft, args.prompts, levels, args.max_tokens, args.steps, parse_trees(args.trees),
-                  args.out, args.temperature, not args.no_ngram, engine_kw, args.repeats)
+                  args.out, args.temperature, not args.no_ngram, engine_kw, args.repeats, args.draft_quantization)
     print_report(report, args.model)
     print(f"\nwritten: {args.out}/tune.json, {args.out}/tune.png")
 
@@ -206,6 +206,8 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--steps", type=_positive, default=3, help="longest chain (and NGRAM's steps; default 3)")
     tu.add_argument("--trees", default="3x2x6", help="tree shapes STEPSxTOPKxNODES, comma-separated ('' for none)")
     tu.add_argument("--no-ngram", action="store_true", help="skip NGRAM")
+    tu.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
+                    help="serve the head of every head configuration in int8 (CPU fp32; default none)")
     tu.add_argument("--repeats", type=_positive, default=3,
                     help="runs of each level; the median tok/s is reported (default 3: a shared CPU is noisy)")
     tu.add_argument("--temperature", type=float, default=0.0)

@@ -49,7 +49,9 @@ class Measured:
     choices: dict[str, float] | None = None  # adaptive: the share of steps per choice (plain, chain k, tree)
 
 
-def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]], ngram: bool) -> list[Candidate]:
+def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]], ngram: bool,
+               draft_quantization: str = "none") -> list[Candidate]:
+    """`draft_quantization` int8: every head candidate serves the head in int8 (its flags say so)."""
     out = [Candidate("plain", [], None)]
     if ngram:
         out.append(Candidate(f"ngram {steps}", ["--speculative-algorithm", "NGRAM", "--speculative-num-steps",
@@ -75,6 +77,11 @@ def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]],
                                                       "--speculative-adaptive"],
                              {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": depth, "adaptive": True,
                               **shape}))
+    if draft_quantization != "none":
+        for cand in out:
+            if cand.spec and cand.spec["algorithm"] == "EAGLE3":
+                cand.flags += ["--speculative-draft-model-quantization", draft_quantization]
+                cand.spec["draft_model_quantization"] = draft_quantization
     return out
 
 
@@ -164,9 +171,9 @@ def recommend(rows: list[Measured]) -> dict[int, Measured]:
 
 def tune(model: str, draft: str | None, prompts_path: str, levels: list[int], max_tokens: int, steps: int,
          trees: list[tuple[int, int, int]], out_dir: str, temperature: float = 0.0, ngram: bool = True,
-         engine_kw: dict | None = None, repeats: int = 1) -> dict:
+         engine_kw: dict | None = None, repeats: int = 1, draft_quantization: str = "none") -> dict:
     prompts = read_prompts(prompts_path)
-    cands = candidates(draft, steps, trees, ngram)
+    cands = candidates(draft, steps, trees, ngram, draft_quantization)
     rows: list[Measured] = []
     for cand in tqdm(cands, desc="tune", unit="config"):
         rows += measure(model, cand, prompts, levels, max_tokens, temperature, engine_kw or {}, repeats)
@@ -177,7 +184,8 @@ def tune(model: str, draft: str | None, prompts_path: str, levels: list[int], ma
     best = recommend(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"model": model, "draft": draft, "prompts": prompts_path, "max_tokens": max_tokens,
+    report = {"model": model, "draft": draft, "draft_quantization": draft_quantization, "prompts": prompts_path,
+              "max_tokens": max_tokens,
               "temperature": temperature, "repeats": repeats, "rows": [asdict(r) for r in rows],
               "recommended": {str(c): {"config": r.name, "tok_s": r.tok_s, "speedup": r.speedup,
                                        "serve_flags": by_name[r.name].flags} for c, r in best.items()}}
