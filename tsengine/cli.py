@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
+from tsengine.config import DraftQuantization
 from tsengine.errors import UserError, run_main
 from tsengine.server_settings import ServerSettings as ServerSettingsDefaults
 
@@ -206,7 +208,7 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--steps", type=_positive, default=3, help="longest chain (and NGRAM's steps; default 3)")
     tu.add_argument("--trees", default="3x2x6", help="tree shapes STEPSxTOPKxNODES, comma-separated ('' for none)")
     tu.add_argument("--no-ngram", action="store_true", help="skip NGRAM")
-    tu.add_argument("--draft-quantization", choices=("none", "int8"), default="none",
+    tu.add_argument("--draft-quantization", choices=get_args(DraftQuantization), default="none",
                     help="serve the head of every head configuration in int8 (CPU fp32; default none)")
     tu.add_argument("--repeats", type=_positive, default=3,
                     help="runs of each level; the median tok/s is reported (default 3: a shared CPU is noisy)")

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tsengine.errors import UserError, fail_if
 
+# How the engine may store the EAGLE3 head's weights (tsengine/linear.py runs them; one list for every flag)
+DraftQuantization = Literal["none", "int8"]
+
 ALGORITHMS = ("EAGLE3", "NGRAM")
 
 # The shapes the engine runs (docs/design/tree-speculation.md): steps S, top-k K, nodes N (root included);
@@ -84,7 +87,7 @@ class SpeculativeConfig(_Strict):
     tree_sampling: Literal["gumbel", "multiround"] = Field("gumbel", description=(
         "temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround (point-mass "
         "multi-round rejection)"))
-    draft_model_quantization: Literal["none", "int8"] = Field("none", description=(
+    draft_model_quantization: DraftQuantization = Field("none", description=(
         "EAGLE3 head weights: none (as loaded) or int8 (per-row symmetric, CPU fp32 only: a quarter of the "
         "bytes each draft step reads; drafts may differ, outputs cannot)"))
     adaptive: bool = Field(False, description=(

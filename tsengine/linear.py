@@ -14,10 +14,13 @@ drafting is a read of the head's weights, and int8 reads a quarter of the bytes.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tsengine.config import DraftQuantization
 from tsengine.kernels import rows_linear
 
 PACK_ROWS = 8  # oneDNN's batch hint: measured best for 1..8-row inputs (decode and verify windows)
@@ -79,7 +82,7 @@ def compiled_packed_ops() -> str:
     return _PACKED_OPS
 
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = get_args(DraftQuantization)
 
 
 def int8_unavailable() -> str | None:
