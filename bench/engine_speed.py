@@ -169,7 +169,7 @@ def main() -> None:
         tau, split = (f"{info[k][2]:.2f}" if k in info and info[k][2] else "-"), "-"
         if k in info:
             s = info[k][1]
-            split = f"{s['forward']:.0%} / {s['commit']:.0%} / {s['draft']:.0%}"
+            split = f"{s['forward']:.1%} / {s['commit']:.1%} / {s['draft']:.1%}"
         print(f"| {k} | {v:.1f} | {vs_hf} | {v / med[plain_name]:.2f}x | {tau} | {split} |")
     base = info[plain_name][0]
     for k in rows:

@@ -101,7 +101,7 @@ def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, 
     k_cache.copy_(before)
     v_cache.copy_(v_before)
     ctx = Context.build(runs, eagle.block_size, "cpu")
-    want = eagle._layer(torch.tensor(ids), eagle.head.project(aux), ctx)
+    want = eagle._layer(torch.tensor(ids), eagle.head.project(aux), ctx.positions, ctx)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)  # the compiler reorders some sums
     written, scratch = ctx.slot_mapping.tolist(), scratch_slot([eagle.kv])
     flat, eager_flat, flat0 = graph_k.flatten(0, 1), k_cache.flatten(0, 1), before.flatten(0, 1)
@@ -247,3 +247,35 @@ def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, h
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert e.proposer.policy.drafted_by[PAD] > 0
     assert sum(graph_steps) >= 3, graph_steps
+
+
+def test_the_draft_graph_extends_and_chains_as_eager_does(tiny_dirs, heads):
+    """A greedy step's one draft graph (the extension, then the whole chain: `DraftGraphs.extend_and_chain`)
+    over runs of 1, 3 and 2 committed rows padded to a window of 4 and a batch of 4: the drafts equal the eager
+    extension's and chain's, the KV writes too, and no draft slot changes but theirs and the scratch block's."""
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    eagle = _llm(tiny_dirs, False, spec).engine.proposer
+    eagle.graphs.heat = Heat(after=1)  # compiled on first sight
+    k_cache, v_cache = eagle.kv
+    k_cache.normal_()
+    v_cache.normal_()
+    before, v_before = k_cache.clone(), v_cache.clone()
+    runs = [([3, 4, 5], 9, 1), ([7], 1, 3), ([10, 11], 5, 2)]
+    ids = [11, 22, 33, 44, 55, 66]
+    aux = torch.randn(6, eagle.head.fc.weight.shape[1])
+    got = eagle.graphs.extend_and_chain(runs, ids, aux, steps=3)
+    assert ("draft", 4, 4, 256, 3) in eagle.graphs.graphs
+    graph_k = k_cache.clone()
+    k_cache.copy_(before)
+    v_cache.copy_(v_before)
+    eagle.graphs = None  # the eager path from here
+    out, positions = eagle._extend(runs, ids, aux)
+    last = torch.tensor([0, 3, 5])  # each run's last row
+    tables = torch.tensor([[3, 4, 5], [7, 0, 0], [10, 11, 0]])
+    want = eagle.greedy_chain(out[last], positions[last], tables, steps=3)
+    assert got.tolist() == want.tolist()
+    written = Context.build(runs, eagle.block_size, "cpu").slot_mapping.tolist()
+    flat, eager_flat, flat0 = graph_k.flatten(0, 1), k_cache.flatten(0, 1), before.flatten(0, 1)
+    torch.testing.assert_close(flat[written], eager_flat[written], atol=1e-4, rtol=1e-4)
+    others = [s for s in range(scratch_slot([eagle.kv])) if s not in written]
+    assert torch.equal(flat[others], flat0[others]), "a padding row or a chain step wrote outside the scratch block"

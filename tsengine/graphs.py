@@ -11,11 +11,15 @@ measured 45 ms for 4 rows against 37 ms static. So each eligible step is padded 
 Prefill chunks, mixed windows (some requests decode while others verify), capture and the Triton backend
 stay eager: prefill is compute-bound, and the rest are rarer shapes than graphs are worth.
 
-The EAGLE-3 head has graphs of its own (`DraftGraphs`): each greedy chain step after the first, and, opt-in
-(`TSENGINE_EXTEND_GRAPHS=1`), its extension over each request's committed rows, padded to a window of 1,
-4 or 8 rows (the rows a step commits change every step, the window does not). Not the default: it has
-shown no gain yet (chain 1 at 16 requests: 0.83× plain with it, 0.85× before) and adds shapes that compile
-lazily, which stalled an adaptive server's timed rounds (docs/benchmarks.md, issue 15).
+The EAGLE-3 head has graphs of its own (`DraftGraphs`). A greedy chain step where every request drafts is one
+graph: the head's extension over each request's committed rows, padded to a window of 1, 4 or 8 rows (the rows
+a step commits change every step, the window does not), then the whole chain, whose KV stays inside the graph
+(tsengine/spec/chain_kv.py: the extension is the graph's one cache write). Measured at batch 1 with the int8
+head, chain of 3: 4.7 → 3.7 ms of drafting per step against one graph per chain step (docs/benchmarks.md).
+After an extension that fits no graph (a long prefill chunk) the chain alone is a graph; the extension alone
+is one only opt-in (`TSENGINE_EXTEND_GRAPHS=1`, for trees and sampled rows): it has shown no gain (chain 1 at
+16 requests: 0.83× plain with it, 0.85× before) and adds shapes that compile lazily, which stalled an
+adaptive server's timed rounds (docs/benchmarks.md, issue 15).
 
 Graphs compile lazily, once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph
 steps; until then it runs eagerly), and are logged with their compile time; torch's FX graph cache keeps
@@ -190,13 +194,11 @@ class CompiledSteps:
         return hidden[:n], None if aux is None else aux[:n], logits[:n]
 
 
-def draft_step(proposer, ids, hidden, pos, tables):
-    """The traced draft step: the head's greedy next token and output for tokens `ids` [D] fed with `hidden`
-    [D, H] at draft positions `pos` [D] (one step of `Eagle3Proposer._extend_and_draft`'s chain). One step
-    per graph, not the whole loop: a graph that writes the same cache twice makes inductor copy the whole
-    cache (14 ms for two steps of SmolLM2's head, measured), one write per graph stays in place."""
-    hidden = proposer._layer(ids, hidden, Context.one_each(tables, pos, proposer.block_size))
-    return proposer.draft_ids_in_target[proposer.head.logits(hidden).float().argmax(-1)], hidden
+def chain_step(proposer, steps, hidden, pos, tables):
+    """The traced greedy chain: [D, steps] drafts from the head's outputs `hidden` [D, H] at draft positions
+    `pos` [D] (`Eagle3Proposer.greedy_chain`). The whole chain is one graph: its KV stays in the graph
+    (tsengine/spec/chain_kv.py), so nothing is written twice."""
+    return proposer.greedy_chain(hidden, pos, tables, steps)
 
 
 def extend_step(proposer, window, ids, aux, positions, slots, tables, lens):
@@ -206,14 +208,26 @@ def extend_step(proposer, window, ids, aux, positions, slots, tables, lens):
     ctx = Context(positions, torch.arange(b, device=dev).repeat_interleave(window), slots, tables, lens,
                   torch.arange(b + 1, device=dev) * window, window, tables.shape[1] * proposer.block_size,
                   exact_ctx=False, uniform=True)
-    return proposer._layer(ids, proposer.head.project(aux.to(proposer.head.fc.weight.dtype)), ctx)
+    return proposer._layer(ids, proposer.head.project(aux.to(proposer.head.fc.weight.dtype)), positions, ctx)
+
+
+def extend_and_chain_step(proposer, window, steps, ids, aux, positions, slots, tables, lens, last):
+    """The traced draft of a greedy step: the extension (the graph's one cache write), then the chain from
+    each request's last real row `last` [B]. Returns [B, steps] drafts."""
+    out = extend_step(proposer, window, ids, aux, positions, slots, tables, lens)
+    return proposer.greedy_chain(out[last], positions[last], tables, steps)
 
 
 class DraftGraphs:
-    """The head's extension over committed rows, one graph per (batch bucket, window, context bucket), and
-    its greedy chain steps after the first, one per (batch bucket, context bucket). Padding requests draft
-    into the scratch block of the draft cache, whose block id fills their tables; a request's padding rows
-    (fewer committed rows than the window) write to the scratch slot and their outputs are dropped."""
+    """The head's graphs, one per (batch bucket, window, context bucket, chain length) where they apply:
+    - a greedy step where every request drafts: the extension over its committed rows and the whole chain,
+      one graph (`extend_and_chain`);
+    - a greedy chain after an extension that fits no graph (a long prefill chunk): the chain alone (`chain`);
+    - opt-in (`TSENGINE_EXTEND_GRAPHS=1`), the extension alone, for steps the two above do not cover (trees,
+      sampled rows, requests that do not draft).
+    Padding requests draft into the scratch block of the draft cache, whose block id fills their tables; a
+    request's padding rows (fewer committed rows than the window) write to the scratch slot and their outputs
+    are dropped."""
 
     def __init__(self, proposer, contexts: tuple[int, ...], heat: Heat | None = None):
         self.proposer, self.contexts, self.heat = proposer, contexts, heat or Heat()
@@ -232,30 +246,25 @@ class DraftGraphs:
             graph = self.graphs[key] = compile_step(fn, *bound, key=key)
         return graph
 
-    def _timed(self, key: tuple, what: str, t0: float) -> None:
+    def _call(self, key: tuple, what: str, graph, *inputs):
+        t0 = time.perf_counter()
+        out = graph(*inputs)
         if key not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
             self.compile_seconds[key] = time.perf_counter() - t0
-            log.info("compiled the %s graph (%d requests, ctx %d) in %.1f s", what, key[1], key[-1],
-                     self.compile_seconds[key])
+            log.info("compiled the %s graph %s in %.1f s", what, key, self.compile_seconds[key])
+        return out
 
-    def extend(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor) -> torch.Tensor | None:
-        """The head's outputs [T, H] over the runs' committed rows (per run: block table, first position,
-        rows; `ids` the tokens fed at them, `aux` [T, 3H] their features), in the runs' order; None when
-        they fit no graph (a prefill chunk longer than the largest window) or the graph is off, and the caller
-        runs eagerly."""
-        if not self.extends:
-            return None
-        bs = self.proposer.block_size
+    def _shape(self, runs) -> tuple[int, int, int] | None:
+        """(batch bucket, window, context bucket) the runs pad to, or None."""
         window = _bucket(max(n for _, _, n in runs), EXTEND_WINDOWS)
         size = _bucket(len(runs), BATCH_BUCKETS)
         context = _bucket(max(start + n for _, start, n in runs), self.contexts)
-        if window is None or size is None or context is None:
-            return None
-        key = ("extend", size, window, context)
-        graph = self._graph(key, extend_step, self.proposer, window)
-        if graph is None:
-            return None
-        total = len(ids)
+        return None if window is None or size is None or context is None else (size, window, context)
+
+    def _pad(self, runs, ids: list[int], aux: torch.Tensor, size: int, window: int, context: int):
+        """The runs laid out as a uniform [size, window] batch: the graph's inputs (ids, features, positions,
+        slots, tables, lens), and the flat indices of the real rows and of each run's last row."""
+        bs, total = self.proposer.block_size, len(ids)
         positions, slots, feed, src, real, t = [], [], [], [], [], 0
         for b, (table, start, n) in enumerate(runs):  # host bookkeeping, as Context.build's
             for r in range(window):
@@ -267,32 +276,60 @@ class DraftGraphs:
                 if real_row:
                     real.append(b * window + r)
                     t += 1
+        last = [b * window + n - 1 for b, (_, _, n) in enumerate(runs)] + [b * window for b in range(len(runs), size)]
         rows_pad = (size - len(runs)) * window
-        dev = aux.device
         cols = context // bs  # blocks held past the context bucket are never read
         tables = [table[:cols] + [0] * (cols - len(table[:cols])) for table, _, _ in runs]
         tables += [[self.scratch_block] * cols] * (size - len(runs))
         lens = [start + n for _, start, n in runs] + [1] * (size - len(runs))
+        dev = aux.device
 
         def long(x):
             return torch.tensor(x, dtype=torch.long).to(dev)
 
         feats = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])[long(src + [total] * rows_pad)]
-        t0 = time.perf_counter()
-        out = graph(long(feed + [0] * rows_pad), feats, long(positions + [0] * rows_pad),
-                    long(slots + [self.scratch] * rows_pad), long(tables), long(lens))
-        self._timed(key, f"head extension (window {window})", t0)
-        return out[long(real)]
+        inputs = (long(feed + [0] * rows_pad), feats, long(positions + [0] * rows_pad),
+                  long(slots + [self.scratch] * rows_pad), long(tables), long(lens))
+        return inputs, long(real), long(last)
 
-    def chain(self, steps: int, first, hidden, pos, tables):
-        """[D, steps + 1] draft ids: `first` and `steps` more; None when the batch or its tables fit no bucket,
-        or its graph is not hot yet."""
-        d, bs = first.shape[0], self.proposer.block_size
+    def extend(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor) -> torch.Tensor | None:
+        """The head's outputs [T, H] over the runs' committed rows (per run: block table, first position,
+        rows; `ids` the tokens fed at them, `aux` [T, 3H] their features), in the runs' order; None when
+        they fit no graph (a prefill chunk longer than the largest window) or the graph is off, and the caller
+        runs eagerly."""
+        shape = self._shape(runs) if self.extends else None
+        if shape is None:
+            return None
+        key = ("extend", *shape)
+        graph = self._graph(key, extend_step, self.proposer, shape[1])
+        if graph is None:
+            return None
+        inputs, real, _ = self._pad(runs, ids, aux, *shape)
+        return self._call(key, "extension", graph, *inputs)[real]
+
+    def extend_and_chain(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor,
+                         steps: int) -> torch.Tensor | None:
+        """[D, steps] greedy drafts of every run (each run drafts), after the head's extension over their
+        committed rows (arguments as `extend`'s); None when they fit no graph or it is not hot yet."""
+        shape = self._shape(runs)
+        if shape is None:
+            return None
+        key = ("draft", *shape, steps)
+        graph = self._graph(key, extend_and_chain_step, self.proposer, shape[1], steps)
+        if graph is None:
+            return None
+        inputs, _, last = self._pad(runs, ids, aux, *shape)
+        return self._call(key, f"head extension (window {shape[1]}) and chain", graph, *inputs, last)[:len(runs)]
+
+    def chain(self, steps: int, hidden, pos, tables):
+        """[D, steps] greedy drafts from the head's outputs `hidden` [D, H] at draft positions `pos` [D]; None
+        when the batch or its tables fit no bucket, or its graph is not hot yet."""
+        d, bs = hidden.shape[0], self.proposer.block_size
         size, context = _bucket(d, BATCH_BUCKETS), _bucket(tables.shape[1] * bs, self.contexts)
         if size is None or context is None:
             return None
-        key = ("draft", size, context)
-        graph = self._graph(key, draft_step, self.proposer)
+        key = ("chain", size, context, steps)
+        graph = self._graph(key, chain_step, self.proposer, steps)
         if graph is None:
             return None
         padded = tables.new_full((size, context // bs), self.scratch_block)
@@ -300,12 +337,6 @@ class DraftGraphs:
         padded[:d, :tables.shape[1]] = tables
         pad = size - d
         if pad:
-            first, pos = torch.cat([first, first.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
+            pos = torch.cat([pos, pos.new_zeros(pad)])
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-        drafts = [first]
-        for _ in range(steps):
-            t0, pos = time.perf_counter(), pos + 1
-            ids, hidden = graph(drafts[-1], hidden, pos, padded)
-            drafts.append(ids)
-            self._timed(key, "draft step", t0)
-        return torch.stack(drafts, dim=1)[:d]
+        return self._call(key, "chain", graph, hidden, pos, padded)[:d]

@@ -30,6 +30,7 @@ from tsengine.context import Context
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.linear import accelerate
 from tsengine.sampling import RowParams, filtered_logprobs, gumbel
+from tsengine.spec.chain_kv import ChainKV
 from tsengine.spec.drafts import Drafts, Proposal
 from tsengine.spec.tree import Tree, TreeBuilder
 
@@ -42,7 +43,7 @@ class Eagle3Proposer:
         self.topk, self.num_nodes, self.rule = topk, num_nodes or num_steps + 1, rule
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
-        self.graphs = None  # tsengine.graphs.DraftGraphs: the greedy chain's later steps, compiled
+        self.graphs = None  # tsengine.graphs.DraftGraphs: greedy drafting (and, opt-in, extension), compiled
 
     def propose(self, proposal: Proposal, steps: int | None = None, tree: tuple[int, int, int] | None = None,
                 only: list[bool] | None = None) -> list[Drafts | None]:
@@ -69,13 +70,19 @@ class Eagle3Proposer:
             last, need = [], []
         dev = proposal.aux.device
         long = dict(dtype=torch.long, device=dev)
-        out, positions = self._extend(runs, ids, proposal.aux[torch.tensor(rows, **long)])
-        if need:
-            width = max(len(q.table) for q in need)
-            tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
-            rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
-            last = torch.tensor(last, **long)
-            out = self._draft(out[last], positions[last], tables, rp, steps, tree)
+        aux = proposal.aux[torch.tensor(rows, **long)]
+        rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev) if need else None
+        out = None
+        if need and tree is None and rp.all_greedy and len(need) == len(runs) and self.graphs is not None:
+            chain = self.graphs.extend_and_chain(runs, ids, aux, steps)  # one graph, or None: not hot / no fit
+            out = (chain, None) if chain is not None else None
+        if out is None:
+            out, positions = self._extend(runs, ids, aux)
+            if need:
+                width = max(len(q.table) for q in need)
+                tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
+                last = torch.tensor(last, **long)
+                out = self._draft(out[last], positions[last], tables, rp, steps, tree)
         for c in proposal.runs:  # the head's KV now covers these runs, where it covered what came before
             if c.seq.draft_cached == c.start:
                 c.seq.draft_cached = c.start + len(c.rows)
@@ -94,15 +101,36 @@ class Eagle3Proposer:
         it = iter(drafts)
         return [next(it) if flag else None for flag in only]
 
-    def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: Context) -> torch.Tensor:
-        """One pass of the head's layer over flat tokens: [T] ids, [T, H] hidden -> [T, H] pre-norm out."""
+    def _layer(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, ctx: Context | None = None,
+               chain: ChainKV | None = None) -> torch.Tensor:
+        """One pass of the head's layer over flat tokens at `positions`: [T] ids, [T, H] hidden -> [T, H]
+        pre-norm out. Its KV goes to the paged draft cache (`ctx`), or stays with a greedy `chain`."""
         h = self.head
         emb = h.embed(ids).to(hidden.dtype)[None]
-        cos, sin = h.rope(ctx.positions[None], hidden[None])
-        q, k, v = h.midlayer.qkv(emb, hidden[None], cos, sin)
-        write_kv(self.kv[0], self.kv[1], k[0].transpose(0, 1), v[0].transpose(0, 1), ctx)
-        a = paged_attention(q[0].transpose(0, 1), self.kv[0], self.kv[1], ctx, self.scale, self.backend)
+        cos, sin = h.rope(positions[None], hidden[None])
+        q, k, v = (x[0].transpose(0, 1) for x in h.midlayer.qkv(emb, hidden[None], cos, sin))  # [T, heads, d]
+        if chain is not None:
+            a = chain.attend(q, k, v, self.scale)
+        else:
+            write_kv(self.kv[0], self.kv[1], k, v, ctx)
+            a = paged_attention(q, self.kv[0], self.kv[1], ctx, self.scale, self.backend)
         return h.midlayer.finish(a.transpose(0, 1)[None], hidden[None])[0]
+
+    def chain_kv(self, tables: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> ChainKV:
+        return ChainKV(self.kv[0], self.kv[1], tables, pos, self.block_size, dtype)
+
+    def greedy_chain(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, steps: int) -> torch.Tensor:
+        """[D, steps] greedy drafts (target ids) from the head's outputs `hidden` [D, H] at the requests' last
+        extended rows, draft positions `pos` [D]: the chain `_draft` runs for all-greedy rows, and the part of
+        a compiled draft graph after the extension (tsengine/graphs.py)."""
+        def pick(out):
+            return self.draft_ids_in_target[self.head.logits(out).float().argmax(-1)]
+
+        drafts, chain = [pick(hidden)], self.chain_kv(tables, pos, hidden.dtype)
+        for s in range(1, steps):
+            hidden = self._layer(drafts[-1], hidden, pos + s, chain=chain)
+            drafts.append(pick(hidden))
+        return torch.stack(drafts, dim=1)
 
     def _ranking(self, logits: torch.Tensor, rp: RowParams, positions: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         """What the drafter ranks its candidates by: the raw logits for greedy rows; for sampled rows
@@ -150,7 +178,7 @@ class Eagle3Proposer:
             ctx = Context.lanes(tables, (pos + s)[:, None].expand(d, k), (pos + 1)[:, None] + (s - 1) * k + lane,
                                 pos + 1, tb.frontier_lane_bits(), self.block_size)
             ids = self.draft_ids_in_target[tb.frontier_tokens()].flatten()
-            out = self._layer(ids, parent_out.reshape(d * k, h), ctx).view(d, k, h)
+            out = self._layer(ids, parent_out.reshape(d * k, h), ctx.positions, ctx).view(d, k, h)
             fed = tb.expand(self._scores(out.flatten(0, 1), rp, pos + 2 + s, repeat=k).view(d, k, -1))
             parent_out = out.gather(1, fed[..., None].expand(d, k, h))
         tree, _ = tb.finish()
@@ -166,7 +194,7 @@ class Eagle3Proposer:
             return out, torch.tensor(positions, dtype=torch.long).to(aux.device)
         ctx = Context.build(runs, self.block_size, aux.device)
         ids = torch.tensor(ids, dtype=torch.long, device=aux.device)
-        return self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx), ctx.positions
+        return self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx.positions, ctx), ctx.positions
 
     def _draft(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams,
                steps: int | None, tree: tuple[int, int, int] | None):
@@ -176,15 +204,14 @@ class Eagle3Proposer:
         `Tree` of target ids."""
         if tree is not None:
             return self._tree(hidden, pos, tables, rp, tree)
+        if rp.all_greedy:
+            chain = self.graphs.chain(steps, hidden, pos, tables) if self.graphs is not None else None
+            return (chain if chain is not None else self.greedy_chain(hidden, pos, tables, steps)), None
         first, q = self._choose(hidden, rp, pos + 2)  # pos: the chain's first input; it drafts token pos + 2
-        if steps > 1 and q is None and rp.all_greedy and self.graphs is not None:
-            chain = self.graphs.chain(steps - 1, first, hidden, pos, tables)
-            if chain is not None:
-                return chain, None
-        drafts, qs = [first], [q]
+        drafts, qs, chain = [first], [q], self.chain_kv(tables, pos, hidden.dtype)
         for _ in range(1, steps):
             pos = pos + 1
-            hidden = self._layer(drafts[-1], hidden, Context.one_each(tables, pos, self.block_size))
+            hidden = self._layer(drafts[-1], hidden, pos, chain=chain)
             d, q = self._choose(hidden, rp, pos + 2)
             drafts.append(d)
             qs.append(q)
