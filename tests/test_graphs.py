@@ -12,7 +12,7 @@ import torch
 from tests.helpers import PROMPTS, random_workload
 from tests.tiny import make_target
 from tsengine.context import Context
-from tsengine.graphs import Heat, Shape
+from tsengine.graphs import Heat, Shape, compile_step
 from tsengine.kv_cache import scratch_slot
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -279,3 +279,20 @@ def test_the_draft_graph_extends_and_chains_as_eager_does(tiny_dirs, heads):
     torch.testing.assert_close(flat[written], eager_flat[written], atol=1e-4, rtol=1e-4)
     others = [s for s in range(scratch_slot([eagle.kv])) if s not in written]
     assert torch.equal(flat[others], flat0[others]), "a padding row or a chain step wrote outside the scratch block"
+
+
+def test_a_graph_keeps_the_guards_on_its_inputs():
+    """`compile_step` skips dynamo's module guards but keeps those on the call's inputs: a call with another
+    input shape still gets a graph of its own (right values), not the first one's, and a bound tensor is read
+    at each call."""
+    w = torch.randn(8, 8)
+
+    def matmul(weight, x):
+        return x @ weight
+
+    graph = compile_step(matmul, w, key=("guards", "test"))
+    a, b = torch.randn(2, 8), torch.randn(5, 8)
+    torch.testing.assert_close(graph(a), a @ w)
+    torch.testing.assert_close(graph(b), b @ w)
+    w.mul_(2)  # bound tensors are read at each call, not baked in
+    torch.testing.assert_close(graph(a), a @ w)
