@@ -15,11 +15,13 @@ The EAGLE-3 head has graphs of its own (`DraftGraphs`). A greedy chain step wher
 graph: the head's extension over each request's committed rows, padded to a window of 1, 4 or 8 rows (the rows
 a step commits change every step, the window does not), then the whole chain, whose KV stays inside the graph
 (tsengine/spec/chain_kv.py: the extension is the graph's one cache write). Measured at batch 1 with the int8
-head, chain of 3: 4.7 → 3.7 ms of drafting per step against one graph per chain step (docs/benchmarks.md).
-After an extension that fits no graph (a long prefill chunk) the chain alone is a graph; the extension alone
-is one only opt-in (`TSENGINE_EXTEND_GRAPHS=1`, for trees and sampled rows): it has shown no gain (chain 1 at
-16 requests: 0.83× plain with it, 0.85× before) and adds shapes that compile lazily, which stalled an
-adaptive server's timed rounds (docs/benchmarks.md, issue 15).
+head, chain of 3: 4.7 → 3.7 ms of drafting per step against one graph per chain step (docs/benchmarks.md,
+"One graph for the draft"). After an extension that runs eagerly (it fits no graph, or some request does
+not draft) the chain alone is a graph. The extension alone is one only opt-in (`TSENGINE_EXTEND_GRAPHS=1`,
+for trees and sampled rows): it showed no gain (chain 1 at 16 requests: 0.83× plain with it, 0.85× before).
+The one-graph draft brings back what issue 15 blamed it for: more shapes (batch × window × context × chain
+length) that compile lazily, which stalled an adaptive server's timed rounds (docs/benchmarks.md); the
+heat rule below keeps rare ones eager.
 
 Graphs compile lazily, once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph
 steps; until then it runs eagerly), and are logged with their compile time; torch's FX graph cache keeps
@@ -221,12 +223,14 @@ def extend_and_chain_step(proposer, window, steps, ids, aux, positions, slots, t
 
 
 class DraftGraphs:
-    """The head's graphs, one per (batch bucket, window, context bucket, chain length) where they apply:
+    """The head's graphs, each for one (batch bucket, context bucket) and, where they apply, one window of
+    committed rows and one chain length:
     - a greedy step where every request drafts: the extension over its committed rows and the whole chain,
-      one graph (`extend_and_chain`);
-    - a greedy chain after an extension that fits no graph (a long prefill chunk): the chain alone (`chain`);
+      one graph (`extend_and_chain`; key: batch, window, context, steps);
+    - a greedy chain whose extension ran eagerly (it fits no graph, or some request does not draft): the
+      chain alone (`chain`; key: batch, context, steps);
     - opt-in (`TSENGINE_EXTEND_GRAPHS=1`), the extension alone, for steps the two above do not cover (trees,
-      sampled rows, requests that do not draft).
+      sampled rows; key: batch, window, context).
     Padding requests draft into the scratch block of the draft cache, whose block id fills their tables; a
     request's padding rows (fewer committed rows than the window) write to the scratch slot and their outputs
     are dropped."""
@@ -255,6 +259,10 @@ class DraftGraphs:
             self.compile_seconds[key] = time.perf_counter() - t0
             log.info("compiled the %s graph %s in %.1f s", what, key, self.compile_seconds[key])
         return out
+
+    def fits(self, runs) -> bool:
+        """Whether the runs' extension fits a graph (`extend`, `extend_and_chain`)."""
+        return self._shape(runs) is not None
 
     def _shape(self, runs) -> tuple[int, int, int] | None:
         """(batch bucket, window, context bucket) the runs pad to, or None."""

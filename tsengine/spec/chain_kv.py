@@ -9,7 +9,8 @@ makes inductor copy the whole cache (14 ms for two of SmolLM2's head steps, meas
 place. The past is gathered once per chain, not once per step.
 
 Semantics (the same as `attention.paged_attention` over the cache written step by step): the query of step
-s attends to cache positions 0..p of its request and to the chain's keys 1..s.
+s attends to cache positions 0..p of its request and to the chain's keys 1..s. Torch SDPA on every backend:
+the Triton paged kernels are for the cache, and a chain's few keys need no paging.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class ChainKV:
                  block_size: int, dtype: torch.dtype):
         """The past of D requests: block tables `tables` [D, M] over caches [blocks, block_size, nkv, d],
         each request's last cached position `pos` [D]; attention runs in `dtype`."""
-        d, width = tables.shape
+        width = tables.shape[1]
         j = torch.arange(width * block_size, device=tables.device)
         slots = tables[:, j // block_size] * block_size + j % block_size  # [D, C]
         nkv, hd = k_cache.shape[2:]

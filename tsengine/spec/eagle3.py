@@ -72,8 +72,10 @@ class Eagle3Proposer:
         long = dict(dtype=torch.long, device=dev)
         aux = proposal.aux[torch.tensor(rows, **long)]
         rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev) if need else None
+        fused = (bool(need) and tree is None and rp.all_greedy and len(need) == len(runs) and self.graphs is not None
+                 and self.graphs.fits(runs))  # every request drafts greedily: the one-graph draft
         out = None
-        if need and tree is None and rp.all_greedy and len(need) == len(runs) and self.graphs is not None:
+        if fused:
             chain = self.graphs.extend_and_chain(runs, ids, aux, steps)  # one graph, or None: not hot / no fit
             out = (chain, None) if chain is not None else None
         if out is None:
@@ -82,7 +84,7 @@ class Eagle3Proposer:
                 width = max(len(q.table) for q in need)
                 tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
                 last = torch.tensor(last, **long)
-                out = self._draft(out[last], positions[last], tables, rp, steps, tree)
+                out = self._draft(out[last], positions[last], tables, rp, steps, tree, chain_graph=not fused)
         for c in proposal.runs:  # the head's KV now covers these runs, where it covered what came before
             if c.seq.draft_cached == c.start:
                 c.seq.draft_cached = c.start + len(c.rows)
@@ -126,7 +128,8 @@ class Eagle3Proposer:
         def pick(out):
             return self.draft_ids_in_target[self.head.logits(out).float().argmax(-1)]
 
-        drafts, chain = [pick(hidden)], self.chain_kv(tables, pos, hidden.dtype)
+        drafts = [pick(hidden)]
+        chain = self.chain_kv(tables, pos, hidden.dtype) if steps > 1 else None
         for s in range(1, steps):
             hidden = self._layer(drafts[-1], hidden, pos + s, chain=chain)
             drafts.append(pick(hidden))
@@ -197,18 +200,21 @@ class Eagle3Proposer:
         return self._layer(ids, self.head.project(aux.to(self.head.fc.weight.dtype)), ctx.positions, ctx), ctx.positions
 
     def _draft(self, hidden: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor, rp: RowParams,
-               steps: int | None, tree: tuple[int, int, int] | None):
+               steps: int | None, tree: tuple[int, int, int] | None, chain_graph: bool = True):
         """Draft `steps` tokens (or a `tree` of shape (S, K, N)) from the head's outputs `hidden` [D, H] at the
         requests' last extended rows, at draft positions `pos` [D] (block tables `tables` [D, M], sampling
-        rows `rp`). Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None), or a
+        rows `rp`; `chain_graph` False: not the chain-only graph, the step warms the one-graph draft instead).
+        Returns a chain as ([D, steps] target ids, [D, steps, draft vocab] q or None), or a
         `Tree` of target ids."""
         if tree is not None:
             return self._tree(hidden, pos, tables, rp, tree)
         if rp.all_greedy:
-            chain = self.graphs.chain(steps, hidden, pos, tables) if self.graphs is not None else None
+            use_graph = chain_graph and steps > 1 and self.graphs is not None  # one step is only an argmax
+            chain = self.graphs.chain(steps, hidden, pos, tables) if use_graph else None
             return (chain if chain is not None else self.greedy_chain(hidden, pos, tables, steps)), None
         first, q = self._choose(hidden, rp, pos + 2)  # pos: the chain's first input; it drafts token pos + 2
-        drafts, qs, chain = [first], [q], self.chain_kv(tables, pos, hidden.dtype)
+        drafts, qs = [first], [q]
+        chain = self.chain_kv(tables, pos, hidden.dtype) if steps > 1 else None
         for _ in range(1, steps):
             pos = pos + 1
             hidden = self._layer(drafts[-1], hidden, pos, chain=chain)
