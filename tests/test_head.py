@@ -133,3 +133,29 @@ def test_init_from_target_copies_the_read_out_of_draft_ids(tiny_models):
     ids = torch.arange(50) + head.d2t
     assert torch.equal(head.lm_head.weight, model.get_output_embeddings().weight[ids])
     assert torch.equal(head.norm.weight, model.model.norm.weight)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, quantization):
+    """`accelerate` runs q/k/v as one matmul and gate/up as one: every output the same bits as the separate
+    matmuls give, for few rows (our kernel) and many (oneDNN)."""
+    from tsengine.kernels import rows_linear
+    from tsengine.linear import accelerate
+
+    if quantization == "int8" and not rows_linear.available():
+        pytest.skip("int8 needs the few-row kernel")
+    model, _ = tiny_models["llama"]
+    head = accelerate(random_head(model, seed=2, draft_vocab_size=200), quantization)
+    layer, fused = head.midlayer, head.midlayer.fused
+    assert set(fused) == {"qkv", "gate_up"}
+    hd = head.config.head_dim
+    for rows in (1, 4, rows_linear.MAX_ROWS + 3):
+        emb, hidden = torch.randn(2, 1, rows, head.config.hidden_size).unbind(0)
+        cos, sin = head.rope(torch.arange(rows)[None], hidden)
+        attn = torch.randn(1, head.config.num_attention_heads, rows, hd)
+        with torch.no_grad():
+            got = (*layer.qkv(emb, hidden, cos, sin), layer.finish(attn, hidden))
+            layer.fused = None
+            want = (*layer.qkv(emb, hidden, cos, sin), layer.finish(attn, hidden))
+            layer.fused = fused
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), rows

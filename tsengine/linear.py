@@ -190,4 +190,16 @@ def accelerate(module: nn.Module, quantization: str = "none") -> nn.Module:
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and _packable(lin.weight):
             lin.forward = Linear(lin.weight, lin.bias, _round_to_int8(lin) if quantization == "int8" else None)
+    for layer in module.modules():  # projections of one input as one matmul (a weight copy each; the head is small)
+        groups = layer.fusable() if hasattr(layer, "fusable") else {}
+        if groups and all(isinstance(lin.forward, Linear) and lin.bias is None for lins in groups.values() for lin in lins):
+            layer.fused = {name: _stacked([lin.forward for lin in lins]) for name, lins in groups.items()}
     return module
+
+
+def _stacked(linears: list[Linear]) -> Linear:
+    """One `Linear` over `linears`' weights stacked by output (int8: their rows and per-row scales too)."""
+    int8 = None
+    if linears[0].qweight is not None:
+        int8 = (torch.cat([x.qweight for x in linears]), torch.cat([x.scale for x in linears]))
+    return Linear(torch.cat([x.weight.detach() for x in linears]), None, int8)

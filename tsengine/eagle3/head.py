@@ -66,15 +66,29 @@ class DraftLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # Serving only (`tsengine.linear.accelerate`): q/k/v as one matmul and gate/up as one, each output the
+        # same bits as its own matmul's: two kernel calls instead of five, ~25 µs less per pass of the layer
+        # (1 row, int8, the kernels timed alone).
+        self.fused: dict | None = None
+
+    def fusable(self) -> dict[str, list[nn.Linear]]:
+        """The projections that read the same input, by the name `fused` keeps their one matmul under."""
+        a, m = self.self_attn, self.mlp
+        return {"qkv": [a.q_proj, a.k_proj, a.v_proj], "gate_up": [m.gate_proj, m.up_proj]}
 
     def qkv(self, emb: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """[B, T, H] x2 -> q [B, nh, T, d], k/v [B, nkv, T, d] with RoPE applied to q and k."""
         a = self.self_attn
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         b, t, _ = x.shape
-        q = a.q_proj(x).view(b, t, a.num_heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        v = a.v_proj(x).view(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        if self.fused is not None:
+            kv_width = a.num_kv_heads * a.head_dim
+            q, k, v = self.fused["qkv"](x).split([a.num_heads * a.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        q = q.reshape(b, t, a.num_heads, a.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, a.num_kv_heads, a.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
@@ -82,7 +96,11 @@ class DraftLayer(nn.Module):
         """attention output [B, nh, T, d] + residual `hidden` -> the layer's pre-norm output [B, T, H]."""
         b, _, t, _ = attn.shape
         x = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.fused is None:
+            return x + self.mlp(h)
+        gate, up = self.fused["gate_up"](h).chunk(2, dim=-1)
+        return x + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
     def forward(self, emb, hidden, cos, sin, mask: torch.Tensor | None = None, past_kv: KV | None = None):
         """Dense attention over `past_kv` + the new tokens.
