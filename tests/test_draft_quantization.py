@@ -70,8 +70,11 @@ def test_outputs_with_the_int8_head_are_the_targets(tiny_dirs, tiny_models, head
     plain = make_llm(tiny_dirs).generate(prompts, params)
     llm = LLM(str(tiny_dirs["llama"]), debug_checks=True, block_size=4, max_num_batched_tokens=16,
               speculative_config=_int8_spec(tmp_path, s, eagle_topk=k, num_draft_tokens=n))
-    linears = [m for m in llm.engine.runner.head.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(m.forward.qweight is not None for m in linears), "the head must be served in int8"
+    head = llm.engine.runner.head
+    stacked = {id(m) for lins in head.midlayer.fusable().values() for m in lins}  # served by `fused`
+    alone = [m for m in head.modules() if isinstance(m, torch.nn.Linear) and id(m) not in stacked]
+    served = [m.forward for m in alone] + list(head.midlayer.fused.values())
+    assert alone and all(f.qweight is not None for f in served), "the head must be served in int8"
     spec = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.stats.num_drafts > 0

@@ -136,9 +136,10 @@ def test_init_from_target_copies_the_read_out_of_draft_ids(tiny_models):
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, quantization):
+def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, quantization, monkeypatch):
     """`accelerate` runs q/k/v as one matmul and gate/up as one: every output the same bits as the separate
-    matmuls give, for few rows (our kernel) and many (oneDNN)."""
+    served matmuls give, for few rows (our kernel) and many (oneDNN)."""
+    from tsengine.eagle3.head import DraftLayer
     from tsengine.kernels import rows_linear
     from tsengine.linear import accelerate
 
@@ -146,16 +147,24 @@ def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, qua
         pytest.skip("int8 needs the few-row kernel")
     model, _ = tiny_models["llama"]
     head = accelerate(random_head(model, seed=2, draft_vocab_size=200), quantization)
-    layer, fused = head.midlayer, head.midlayer.fused
-    assert set(fused) == {"qkv", "gate_up"}
-    hd = head.config.head_dim
+    assert set(head.midlayer.fused) == {"qkv", "gate_up"}
+    monkeypatch.setattr(DraftLayer, "fusable", lambda self: {})
+    separate = accelerate(random_head(model, seed=2, draft_vocab_size=200), quantization)
+    assert separate.midlayer.fused is None
     for rows in (1, 4, rows_linear.MAX_ROWS + 3):
         emb, hidden = torch.randn(2, 1, rows, head.config.hidden_size).unbind(0)
         cos, sin = head.rope(torch.arange(rows)[None], hidden)
-        attn = torch.randn(1, head.config.num_attention_heads, rows, hd)
+        attn = torch.randn(1, head.config.num_attention_heads, rows, head.config.head_dim)
         with torch.no_grad():
-            got = (*layer.qkv(emb, hidden, cos, sin), layer.finish(attn, hidden))
-            layer.fused = None
-            want = (*layer.qkv(emb, hidden, cos, sin), layer.finish(attn, hidden))
-            layer.fused = fused
+            got, want = ((*m.midlayer.qkv(emb, hidden, cos, sin), m.midlayer.finish(attn, hidden)) for m in (head, separate))
         assert all(torch.equal(g, w) for g, w in zip(got, want)), rows
+
+
+def test_a_served_head_moved_after_fusing_drops_its_stale_copies(tiny_models):
+    from tsengine.linear import accelerate
+
+    model, _ = tiny_models["llama"]
+    head = accelerate(random_head(model, seed=2, draft_vocab_size=200), "none")
+    assert head.midlayer.fused is not None
+    head.to(torch.float64)
+    assert head.midlayer.fused is None

@@ -128,8 +128,9 @@ class Context:
 
     @staticmethod
     def one_each(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> "Context":
-        """One new token per request at `positions` [B], built on the device (the draft chain's steps:
-        no host round trip between them). `max_ctx` is the table width, an upper bound."""
+        """One new token per request at `positions` [B], built on the device. `max_ctx` is the table width,
+        an upper bound. The draft chain wrote its steps' KV to the paged cache this way before it kept them
+        beside it (tsengine/spec/chain_kv.py); its tests still check the chain against that."""
         b = positions.shape[0]
         ar = torch.arange(b, device=positions.device)
         slots = block_tables[ar, positions // block_size] * block_size + positions % block_size

@@ -11,7 +11,7 @@ measured 45 ms for 4 rows against 37 ms static. So each eligible step is padded 
 Prefill chunks, mixed windows (some requests decode while others verify), capture and the Triton backend
 stay eager: prefill is compute-bound, and the rest are rarer shapes than graphs are worth.
 
-The EAGLE-3 head has graphs of its own (`DraftGraphs`). A greedy chain step where every request drafts is one
+The EAGLE-3 head has graphs of its own (`DraftGraphs`). A greedy step where every request drafts a chain is one
 graph: the head's extension over each request's committed rows, padded to a window of 1, 4 or 8 rows (the rows
 a step commits change every step, the window does not), then the whole chain, whose KV stays inside the graph
 (tsengine/spec/chain_kv.py: the extension is the graph's one cache write). Measured at batch 1 with the int8

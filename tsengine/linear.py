@@ -132,8 +132,9 @@ class Linear:
 
     def _compiled_packed(self, x: torch.Tensor) -> bool:
         """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,
-        25 vs 33 ms per SmolLM2 step), more rows to the packed kernel. Shapes are static there."""
-        return x.shape[0] > 1
+        25 vs 33 ms per SmolLM2 step), more rows to the packed kernel. Shapes are static there. Rows, not
+        the first dim: the head's inputs are [1, T, K]."""
+        return x.numel() > x.shape[-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
@@ -180,9 +181,10 @@ def round_to_int8(module: nn.Module) -> nn.Module:
 
 def accelerate(module: nn.Module, quantization: str = "none") -> nn.Module:
     """Give every nn.Linear inside `module` the packed forward, for inference (the engine's copy of the
-    draft head; the trainer never calls this). The module's definition is unchanged; its weights too,
-    unless `quantization` is "int8": then each weight becomes its dequantized int8 values, so whatever
-    reads the module's parameters sees the model the fast path runs."""
+    draft head; the trainer never calls this), and a module that says which of its projections read one
+    input (`fusable`) one matmul for them (`fused`; the separate ones then keep their plain forward). The
+    weights are unchanged unless `quantization` is "int8": then each becomes its dequantized int8 values, so
+    whatever reads the module's parameters sees the model the fast path runs."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
     if quantization == "int8" and (why := int8_unavailable()):
@@ -190,10 +192,13 @@ def accelerate(module: nn.Module, quantization: str = "none") -> nn.Module:
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and _packable(lin.weight):
             lin.forward = Linear(lin.weight, lin.bias, _round_to_int8(lin) if quantization == "int8" else None)
-    for layer in module.modules():  # projections of one input as one matmul (a weight copy each; the head is small)
+    for layer in module.modules():
         groups = layer.fusable() if hasattr(layer, "fusable") else {}
-        if groups and all(isinstance(lin.forward, Linear) and lin.bias is None for lins in groups.values() for lin in lins):
+        members = [lin for lins in groups.values() for lin in lins]
+        if members and all(isinstance(lin.forward, Linear) and lin.bias is None for lin in members):
             layer.fused = {name: _stacked([lin.forward for lin in lins]) for name, lins in groups.items()}
+            for lin in members:  # their packed and int8 copies go:
+                del lin.forward  # the stacked one holds its own (one weight copy more, in fp32)
     return module
 
 

@@ -71,6 +71,10 @@ class DraftLayer(nn.Module):
         # (1 row, int8, the kernels timed alone).
         self.fused: dict | None = None
 
+    def _apply(self, fn, recurse=True):
+        self.fused = None  # a move or cast would leave the stacked copies behind: serving fuses after placing
+        return super()._apply(fn, recurse)
+
     def fusable(self) -> dict[str, list[nn.Linear]]:
         """The projections that read the same input, by the name `fused` keeps their one matmul under."""
         a, m = self.self_attn, self.mlp

@@ -10,7 +10,9 @@ place. The past is gathered once per chain, not once per step.
 
 Semantics (the same as `attention.paged_attention` over the cache written step by step): the query of step
 s attends to cache positions 0..p of its request and to the chain's keys 1..s. Torch SDPA on every backend:
-the Triton paged kernels are for the cache, and a chain's few keys need no paging.
+the Triton paged kernels are for the cache, and a chain's few keys need no paging. The past is gathered
+densely ([D, table width · block size] per layer pass): unmeasured on a GPU, where a long context would
+make that gather the chain's largest cost.
 """
 
 from __future__ import annotations

@@ -72,10 +72,10 @@ class Eagle3Proposer:
         long = dict(dtype=torch.long, device=dev)
         aux = proposal.aux[torch.tensor(rows, **long)]
         rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev) if need else None
-        fused = (bool(need) and tree is None and rp.all_greedy and len(need) == len(runs) and self.graphs is not None
-                 and self.graphs.fits(runs))  # every request drafts greedily: the one-graph draft
+        one_graph = (bool(need) and tree is None and rp.all_greedy and len(need) == len(runs)
+                     and self.graphs is not None and self.graphs.fits(runs))  # every request drafts greedily
         out = None
-        if fused:
+        if one_graph:
             chain = self.graphs.extend_and_chain(runs, ids, aux, steps)  # one graph, or None: not hot / no fit
             out = (chain, None) if chain is not None else None
         if out is None:
@@ -84,7 +84,7 @@ class Eagle3Proposer:
                 width = max(len(q.table) for q in need)
                 tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
                 last = torch.tensor(last, **long)
-                out = self._draft(out[last], positions[last], tables, rp, steps, tree, chain_graph=not fused)
+                out = self._draft(out[last], positions[last], tables, rp, steps, tree, chain_graph=not one_graph)
         for c in proposal.runs:  # the head's KV now covers these runs, where it covered what came before
             if c.seq.draft_cached == c.start:
                 c.seq.draft_cached = c.start + len(c.rows)
