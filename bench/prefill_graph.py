@@ -19,19 +19,9 @@ import torch
 PREFIX = 150
 
 
-def prefill_step(model, kv, block_size, window, ids, positions, slots, tables, lens, last):
-    """One request's chunk as a uniform window (`tsengine.graphs.static_step`), logits of row `last` only."""
-    from tsengine.context import Context
-
-    ctx = Context(positions, torch.zeros(window, dtype=torch.long), slots, tables, lens,
-                  torch.tensor([0, window]), window, tables.shape[1] * block_size, exact_ctx=False, uniform=True)
-    hidden, aux = model(ids, ctx, kv)
-    return hidden, aux, model.logits(hidden[last])
-
-
 def main() -> None:
     from tsengine.context import Context
-    from tsengine.graphs import MIN_CONTEXT, compile_step
+    from tsengine.graphs import MIN_CONTEXT, compile_step, static_step
     from tsengine.kv_cache import scratch_slot
     from tsengine.llm import LLM
     from tsengine.targets import resolve
@@ -47,7 +37,7 @@ def main() -> None:
         table = list(range(-(-(PREFIX + window) // bs)))
         ids = torch.randint(0, 40000, (n,))
         tables = torch.tensor([table + [0] * (MIN_CONTEXT // bs - len(table))])
-        graph = compile_step(prefill_step, r.model, r.kv, bs, window, key=("prefill_probe", n))
+        graph = compile_step(static_step, r.model, r.kv, bs, window, key=("prefill_probe", n))
 
         def eager():
             ctx = Context.build([(table, PREFIX, n)], bs, "cpu")
@@ -58,8 +48,8 @@ def main() -> None:
             ctx, pad = Context.build([(table, PREFIX, n)], bs, "cpu"), window - n
             positions = torch.cat([ctx.positions, ctx.positions[-1:].expand(pad)])  # padding: the last position
             slots = torch.cat([ctx.slot_mapping, ctx.slot_mapping.new_full((pad,), scratch)])  # and no real slot
-            return graph(torch.cat([ids, ids.new_zeros(pad)]), positions, slots, tables, ctx.context_lens,
-                         torch.tensor([n - 1]))[2]
+            return graph(torch.cat([ids, ids.new_zeros(pad)]), positions, slots, tables, ctx.context_lens, None,
+                         None, torch.tensor([n - 1]))[2]
 
         t = time.perf_counter()
         compiled()

@@ -121,15 +121,17 @@ def _bucket(n: int, buckets) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def static_step(model, kv, block_size: int, window: int, ids, positions, slots, tables, lens, tree_start, tree_anc):
+def static_step(model, kv, block_size: int, window: int, ids, positions, slots, tables, lens, tree_start, tree_anc,
+                last=None):
     """The traced function: a uniform [B, window] batch over a [B, context / block_size] block table. Returns
-    every row's final hidden state, aux features and logits (all rows of such a step draw a token)."""
+    every row's final hidden state, aux features and logits (all rows of such a step draw a token; with
+    `last`, only those rows': the prefill-chunk probe, bench/prefill_graph.py)."""
     b = tables.shape[0]
     seq = torch.arange(b, device=ids.device).repeat_interleave(window)
     ctx = Context(positions, seq, slots, tables, lens, torch.arange(b + 1, device=ids.device) * window, window,
                   tables.shape[1] * block_size, exact_ctx=False, uniform=True, tree_start=tree_start, tree_anc=tree_anc)
     hidden, aux = model(ids, ctx, kv)
-    return hidden, aux, model.logits(hidden)
+    return hidden, aux, model.logits(hidden if last is None else hidden[last])
 
 
 class CompiledSteps:
