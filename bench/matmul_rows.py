@@ -40,8 +40,10 @@ def main() -> None:
     if rows_linear.available():
         from tsengine.linear import quantize_int8
 
-        kernels["rows_linear"] = lambda x, w, p: rows_linear.rows_linear(x, w)
+        panels = {id(w): rows_linear.panels(w) for w in ws}
+        kernels["rows_linear"] = lambda x, w, p: rows_linear.rows_linear(x, panels[id(w)], w.shape[0])
         int8 = {id(w): quantize_int8(w) for w in ws}  # GB/s below counts fp32 bytes: int8 reads a quarter
+        int8 = {k: (rows_linear.panels(q), scale) for k, (q, scale) in int8.items()}
         kernels["rows_linear int8"] = lambda x, w, p: rows_linear.rows_linear_int8(x, *int8[id(w)])
     print(f"{mb:.0f} MB of fp32 weights, torch threads {torch.get_num_threads()}")
     print("| rows | " + " | ".join(f"{k} ms | GB/s" for k in kernels) + " |")

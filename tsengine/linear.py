@@ -4,9 +4,10 @@ weights for more rows (prefill chunks), plain F.linear elsewhere (GPU, training,
 Why: MKL's sgemm on this AMD CPU runs a 4-row verify window at about half the weight bandwidth of one
 row (5 vs 11 GB/s; bench/matmul_rows.py, docs/benchmarks.md), so verifying S+1 tokens would cost two
 decode steps and speculation could never pay. oneDNN's packed kernel (packed once for an 8-row batch)
-still costs 1.33x one row at 4 rows. `rows_linear` (tsengine/kernels/rows_linear.cpp) reads each weight
-once for every row, and sums every output in the same order whatever the rows: a token's logits are the
-same bits in a decode step and in a verify window.
+sums each row count differently. `rows_linear` (tsengine/kernels/rows_linear.cpp) reads each weight once
+for every row, from its own copy laid out in panels of 16 outputs, and sums every output in the same
+order whatever the rows: a token's logits are the same bits in a decode step and in a verify window.
+Each few-row weight is held three times (the module's, oneDNN's and the panels): memory for speed, on CPU.
 
 The draft head can also run in int8 (`accelerate(head, "int8")`, docs/design/eagle3-head.md): at batch 1
 drafting is a read of the head's weights, and int8 reads a quarter of the bytes.
@@ -115,8 +116,10 @@ class Linear:
         self.weight, self.bias, self.packed = weight, bias, None
         if _packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-        self.few_rows = (self.packed is not None and weight.shape[1] % 8 == 0 and weight.is_contiguous()
-                         and rows_linear.available())
+        self.few_rows = self.packed is not None and rows_linear.available()
+        self.panels = None  # the few-row kernel's copy (int8 if quantized): another copy, the fastest read
+        if self.few_rows:
+            self.panels = rows_linear.panels(self.qweight if self.qweight is not None else weight)
 
     def _fast(self, x: torch.Tensor) -> bool:
         return self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled()
@@ -127,8 +130,8 @@ class Linear:
 
     def _few(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if self.qweight is not None:
-            return rows_linear.rows_linear_int8(x, self.qweight, self.scale, self.bias, residual)
-        return rows_linear.rows_linear(x, self.weight, self.bias, residual)
+            return rows_linear.rows_linear_int8(x, self.panels, self.scale, self.bias, residual)
+        return rows_linear.rows_linear(x, self.panels, self.weight.shape[0], self.bias, residual)
 
     def _compiled_packed(self, x: torch.Tensor) -> bool:
         """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,

@@ -1,16 +1,18 @@
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) (+ residual[m, n]) for a few rows m: decode and verify steps.
 //
 // Why a kernel of our own: at 1..8 rows a linear layer is a read of its weights, and the rows are almost
-// free if the weights are read once. MKL's sgemm reads 4 rows at half the bandwidth of one; oneDNN's
-// packed kernel costs 1.33x one row at 4 rows (docs/benchmarks.md). Here every pair of weight rows is read
-// from memory once and meets every input row from L1, so 4 rows cost about what 1 costs.
+// free if the weights are read once, at the memory's speed. MKL's sgemm reads 4 rows at half the bandwidth
+// of one; oneDNN's packed kernel is faster at 4 rows than at 1 and sums differently for each row count
+// (docs/benchmarks.md). Here the weights are stored once in panels of 16 output features, k-major
+// ([N/16][K][16], `panels()` in rows_linear.py), so each thread streams one contiguous region: at every k
+// one 64-byte line of weights meets every input row (a broadcast from L1) in 16 lanes, one per output.
 //
-// Batch invariance, on purpose: y[m, n] is summed in the same order whatever the number of rows and
-// wherever row m sits in its block (8 lanes over k, then a fixed horizontal sum), so a token's logits are
-// bitwise the same in a 1-row decode step and in a verify window: speculation cannot flip a near-tie.
-// The int8 variant (rows_linear_int8) reads weights stored as int8 with one fp32 scale per output row
-// (the draft head, opt-in): a quarter of the bytes, widened to fp32 in registers, summed in the same
-// fixed order, and scaled once per output: y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
+// Batch invariance, on purpose: y[m, n] is one lane's sum over k in order 0..K-1 (one FMA a step), whatever
+// the number of rows, wherever row m sits and however rows are blocked, so a token's logits are bitwise
+// the same in a 1-row decode step and in a verify window: speculation cannot flip a near-tie.
+// int8 panels (the draft head, opt-in) hold the weights as int8 with one fp32 scale per output feature: a
+// quarter of the bytes, widened to fp32 in registers, summed in the same order, scaled once per output:
+// y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,135 +26,141 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+constexpr int64_t P = 16;            // output features per panel: two 8-lane registers
+constexpr int64_t AHEAD = 2048;      // bytes of a panel prefetched ahead of the loads (1-4 KB measured alike)
+constexpr int64_t K_TILE = 32;       // above 4 rows: k in tiles of 2 KB of a panel, reread from L1 (32 measured best)
+
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+inline void load16(const int8_t* p, __m256& lo, __m256& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
 }
 
-// MB input rows against NW weight rows: NW*MB accumulators over k, 8 lanes each. NW weight rows stream
-// from memory side by side (more loads in flight); each MB-row block after the first rereads them from L1.
-template <int NW, int MB, typename W>
-inline void block(const float* __restrict x, int64_t K, const W* __restrict w, float* __restrict out) {
-  __m256 acc[NW][MB];
+// MB input rows (row stride K) against NP adjacent panels, over k in [k0, k1), adding to acc
+// ([MB][NP * P] floats, in memory between tiles: storing an fp32 sum and loading it back is exact).
+template <int NP, int MB, typename W>
+inline void tile(const float* __restrict x, int64_t K, int64_t k0, int64_t k1, const W* __restrict w,
+                 int64_t panel_stride, float* __restrict acc) {
+  __m256 a[MB][2 * NP];
 #pragma GCC unroll 16
-  for (int i = 0; i < NW; ++i)
+  for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) acc[i][m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NW];
-#pragma GCC unroll 16
-    for (int i = 0; i < NW; ++i) {
-      wv[i] = load8(w + i * K + k);
-      if (sizeof(W) == 4 || (k & 63) == 0)  // fp32: every 8 floats; int8: once a 64-byte line
-        _mm_prefetch(reinterpret_cast<const char*>(w + (2 * NW + i) * K + k), _MM_HINT_T0);  // two groups ahead
+    for (int i = 0; i < 2 * NP; ++i) a[m][i] = _mm256_loadu_ps(acc + m * NP * P + i * 8);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 wv[2 * NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      const W* wk = w + p * panel_stride + k * P;
+      load16(wk, wv[2 * p], wv[2 * p + 1]);
+      if (sizeof(W) == 4 || (k & 3) == 0)  // fp32: a 64-byte line every k; int8: every 4th k
+        _mm_prefetch(reinterpret_cast<const char*>(wk) + AHEAD, _MM_HINT_T0);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      const __m256 xv = _mm256_broadcast_ss(x + m * K + k);
 #pragma GCC unroll 16
-      for (int i = 0; i < NW; ++i) acc[i][m] = _mm256_fmadd_ps(wv[i], xv, acc[i][m]);
+      for (int i = 0; i < 2 * NP; ++i) a[m][i] = _mm256_fmadd_ps(wv[i], xv, a[m][i]);
     }
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 16
-    for (int i = 0; i < NW; ++i) out[m * NW + i] = hsum(acc[i][m]);
+    for (int i = 0; i < 2 * NP; ++i) _mm256_storeu_ps(acc + m * NP * P + i * 8, a[m][i]);
 }
 
-// Every input row against NW weight rows, in blocks of 4 rows (then the 1-3 left).
-template <int NW, typename W>
-inline void rows_against(const float* x, int64_t M, const W* w, int64_t K, float* out /* [M][NW] */) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) block<NW, 4, W>(x + m * K, K, w, out + m * NW);
-  switch (M - m) {
-    case 3: block<NW, 3, W>(x + m * K, K, w, out + m * NW); break;
-    case 2: block<NW, 2, W>(x + m * K, K, w, out + m * NW); break;
-    case 1: block<NW, 1, W>(x + m * K, K, w, out + m * NW); break;
-    default: break;
+template <int NP, typename W>
+inline void block(const float* x, int64_t mb, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t stride,
+                  float* acc) {
+  switch (mb) {
+    case 1: tile<NP, 1, W>(x, K, k0, k1, w, stride, acc); break;
+    case 2: tile<NP, 2, W>(x, K, k0, k1, w, stride, acc); break;
+    case 3: tile<NP, 3, W>(x, K, k0, k1, w, stride, acc); break;
+    default: tile<NP, 4, W>(x, K, k0, k1, w, stride, acc); break;
   }
 }
 
-// Output features [n, n + NW) for every row, with scale (int8 weights), bias and residual.
-template <int NW, typename W>
-inline void features(const float* x, int64_t M, const W* w, int64_t K, int64_t N, int64_t n, const float* scale,
-                     const float* bias, const float* residual, float* y, float* out) {
-  rows_against<NW, W>(x, M, w + n * K, K, out);
-  for (int64_t m = 0; m < M; ++m)
-    for (int i = 0; i < NW; ++i) {
-      float v = out[m * NW + i];
-      if (scale) v *= scale[n + i];
-      if (bias) v += bias[n + i];
-      if (residual) v += residual[m * N + n + i];
-      y[m * N + n + i] = v;
-    }
-}
-
 template <typename W>
-at::Tensor run(const at::Tensor& x, const at::Tensor& weight, const float* scale, const std::optional<at::Tensor>& bias,
-               const std::optional<at::Tensor>& residual) {
+at::Tensor run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const float* scale,
+               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.dtype() == at::kFloat, "rows_linear: float32 inputs only");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rows_linear: contiguous inputs only");
-  const int64_t K = weight.size(1), N = weight.size(0), M = x.numel() / K;
-  TORCH_CHECK(K % 8 == 0 && x.size(-1) == K, "rows_linear: in_features must match and be a multiple of 8");
+  TORCH_CHECK(x.is_contiguous() && panels.is_contiguous(), "rows_linear: contiguous inputs only");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == P && panels.size(0) == (N + P - 1) / P,
+              "rows_linear: weights must be panels of 16 outputs (rows_linear.panels)");
+  const int64_t K = panels.size(1), n_panels = panels.size(0), M = x.numel() / K;
+  TORCH_CHECK(x.size(-1) == K, "rows_linear: in_features must match the weights'");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options());
-  const float* xp = x.data_ptr<float>();
-  const W* wp = weight.data_ptr<W>();
   TORCH_CHECK(!bias || (bias->numel() == N && bias->is_contiguous()), "rows_linear: bias shape");
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   at::Tensor res;  // held here: a temporary's pointer would dangle
   if (residual) {
     TORCH_CHECK(residual->numel() == M * N && residual->dtype() == at::kFloat, "rows_linear: residual shape");
     res = residual->contiguous();
   }
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  const W* wp = panels.data_ptr<W>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? res.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // 4 weight rows at a time for 1-2 input rows (their loop is short of independent FMAs), else 2
-  const int64_t nw = M <= 2 ? 4 : 2;
-  at::parallel_for(0, (N + nw - 1) / nw, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> out(M * 4);
-    for (int64_t g = begin; g < end; ++g) {
-      int64_t n = g * nw;
-      const int64_t stop = std::min(n + nw, N);
-      if (nw == 4 && n + 4 <= stop) {
-        features<4, W>(xp, M, wp, K, N, n, scale, bp, rp, yp, out.data());
-        n += 4;
+  const int64_t stride = K * P;
+  // A task is two adjacent panels (32 outputs), so one row keeps four sums in flight.
+  at::parallel_for(0, (n_panels + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * 2 * P);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p0 = 2 * t, np = std::min<int64_t>(2, n_panels - p0);
+      const W* w = wp + p0 * stride;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (M <= 2 && np == 2) {  // [M][32]
+        if (M == 1) tile<2, 1, W>(xp, K, 0, K, w, stride, acc.data());
+        else tile<2, 2, W>(xp, K, 0, K, w, stride, acc.data());
+      } else {  // one panel at a time, rows in blocks of 4; above 4 rows k in tiles: [panel][M][16]
+        const int64_t k_step = M <= 4 ? K : K_TILE;
+        for (int64_t q = 0; q < np; ++q)
+          for (int64_t k0 = 0; k0 < K; k0 += k_step)
+            for (int64_t m0 = 0; m0 < M; m0 += 4)
+              block<1, W>(xp + m0 * K, std::min<int64_t>(4, M - m0), K, k0, std::min(K, k0 + k_step),
+                          w + q * stride, stride, acc.data() + (q * M + m0) * P);
       }
-      for (; n + 2 <= stop; n += 2) features<2, W>(xp, M, wp, K, N, n, scale, bp, rp, yp, out.data());
-      if (n < stop) features<1, W>(xp, M, wp, K, N, n, scale, bp, rp, yp, out.data());
+      const bool paired = M <= 2 && np == 2;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < np * P; ++j) {
+          const int64_t n = p0 * P + j;
+          if (n >= N) break;
+          float v = paired ? acc[m * 2 * P + j] : acc[((j / P) * M + m) * P + j % P];
+          if (scale) v *= scale[n];
+          if (bp) v += bp[n];
+          if (rp) v += rp[m * N + n];
+          yp[m * N + n] = v;
+        }
     }
   });
   return y;
 }
 
-at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(weight.dtype() == at::kFloat, "rows_linear: float32 weights only");
-  return run<float>(x, weight, nullptr, bias, residual);
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(panels.dtype() == at::kFloat, "rows_linear: float32 weights only");
+  return run<float>(x, panels, out_features, nullptr, bias, residual);
 }
 
-at::Tensor rows_linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+at::Tensor rows_linear_int8(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                             const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(weight.dtype() == at::kChar, "rows_linear_int8: int8 weights only");
-  TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
-              "rows_linear_int8: one float32 scale per output feature");
-  return run<int8_t>(x, weight, scale.data_ptr<float>(), bias, residual);
+  TORCH_CHECK(panels.dtype() == at::kChar, "rows_linear_int8: int8 weights only");
+  TORCH_CHECK(scale.dtype() == at::kFloat && scale.is_contiguous(), "rows_linear_int8: float32 scales only");
+  return run<int8_t>(x, panels, scale.numel(), scale.data_ptr<float>(), bias, residual);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tsengine_cpu, lib) {
-  lib.def("rows_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? residual) -> Tensor");
-  lib.def("rows_linear_int8(Tensor x, Tensor weight, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor");
+  lib.def("rows_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, Tensor? residual) -> Tensor");
+  lib.def("rows_linear_int8(Tensor x, Tensor panels, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tsengine_cpu, CPU, lib) {

@@ -1,5 +1,6 @@
 """Builds and loads `rows_linear.cpp` (`torch.ops.tsengine_cpu.rows_linear`): a few-row fp32 matmul that reads
-each weight once, for decode and verify steps on an AVX2 CPU. Why it exists: the .cpp's header.
+each weight once, for decode and verify steps on an AVX2 CPU, from weights stored once as `panels()`. Why it
+exists and why that layout: the .cpp's header.
 
 Built once per machine by torch's C++ extension loader (~30 s with g++; cached by source hash under
 torch's extensions directory, so later start-ups load it in milliseconds). Where it cannot be built (no
@@ -45,22 +46,34 @@ def available() -> bool:
         return False
 
     @torch.library.register_fake("tsengine_cpu::rows_linear")
-    def _(x, weight, bias, residual):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    def _(x, panels, out_features, bias, residual):
+        return x.new_empty(*x.shape[:-1], out_features)
 
     @torch.library.register_fake("tsengine_cpu::rows_linear_int8")
-    def _(x, weight, scale, bias, residual):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
+    def _(x, panels, scale, bias, residual):
+        return x.new_empty(*x.shape[:-1], scale.shape[0])
 
     return True
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+PANEL = 16  # output features per panel (the .cpp's P)
+
+
+def panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] (fp32 or int8) as the kernel reads it: [ceil(N/16), K, 16], panel p holding outputs
+    16p..16p+15 k-major, the last one padded with zeros. A copy, made once per weight."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def rows_linear(x: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.tsengine_cpu.rows_linear(x, weight, bias, residual)
+    """y = x W^T (+ bias) (+ residual) with W given as `panels(W)` and its out_features."""
+    return torch.ops.tsengine_cpu.rows_linear(x, weight_panels, out_features, bias, residual)
 
 
-def rows_linear_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+def rows_linear_int8(x: torch.Tensor, weight_panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight` int8 [N, K] with `scale` fp32 [N]: y = scale * (x @ weight^T) (+ bias) (+ residual)."""
-    return torch.ops.tsengine_cpu.rows_linear_int8(x, weight, scale, bias, residual)
+    """`weight_panels` = panels(q) of int8 q [N, K] with `scale` fp32 [N]: y = scale * (x @ q^T) (+ bias) (+ residual)."""
+    return torch.ops.tsengine_cpu.rows_linear_int8(x, weight_panels, scale, bias, residual)
