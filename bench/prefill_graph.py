@@ -21,7 +21,8 @@ PREFIX = 150
 
 def main() -> None:
     from tsengine.context import Context
-    from tsengine.graphs import MIN_CONTEXT, compile_step, static_step
+    from tsengine.graph_compiler import compile_step
+    from tsengine.graphs import MIN_CONTEXT, static_step
     from tsengine.kv_cache import scratch_slot
     from tsengine.llm import LLM
     from tsengine.targets import resolve

@@ -12,7 +12,8 @@ import torch
 from tests.helpers import PROMPTS, random_workload
 from tests.tiny import make_target
 from tsengine.context import Context
-from tsengine.graphs import Heat, Shape, compile_step
+from tsengine.graph_compiler import compile_step
+from tsengine.graphs import Heat, Shape
 from tsengine.kv_cache import scratch_slot
 from tsengine.llm import LLM
 from tsengine.sampling import SamplingParams
@@ -111,7 +112,7 @@ def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, 
 
 
 def test_engines_of_one_shape_each_run_their_own_weights(tiny_dirs, heads, tmp_path):
-    """Each compiled step skips dynamo's module guards (`graphs.compile_step`): two compiled engines in one
+    """Each compiled step skips dynamo's module guards (`graph_compiler.compile_step`): two compiled engines in one
     process, targets of the same shapes with different weights and norm epsilon, drafting with one head,
     each give their own eager tokens, whichever ran last. Fails if the graphs share a code object (measured)."""
     other = make_target(tmp_path / "other", kind="llama", seed=5)
@@ -296,3 +297,36 @@ def test_a_graph_keeps_the_guards_on_its_inputs():
     torch.testing.assert_close(graph(b), b @ w)
     w.mul_(2)  # bound tensors are read at each call, not baked in
     torch.testing.assert_close(graph(a), a @ w)
+
+
+def test_a_compiled_graph_is_called_without_dynamo_once_compiled():
+    """After its first call, a graph of `compile_step` runs the bytecode dynamo made of it as a plain function
+    (`graphs.DirectGraph`): the same values as through dynamo, bound tensors read at each call, while a call
+    of another shape or with autograd on still goes through dynamo (where its guards tell the shapes apart)."""
+    w = torch.randn(8, 8)
+
+    def matmul(weight, x):
+        return x @ weight
+
+    graph = compile_step(matmul, w, key=("direct", "test"))
+    a = torch.randn(2, 8)
+    with torch.no_grad():  # as the engine calls its graphs
+        first = graph(a)
+    assert graph.direct is not None
+    through_dynamo = graph.compiled
+
+    def refuse(*args):
+        raise AssertionError("went through dynamo")
+
+    graph.compiled = refuse
+    with torch.no_grad():
+        assert torch.equal(graph(a), first)
+        w.mul_(2)
+        torch.testing.assert_close(graph(a), a @ w)
+        with pytest.raises(AssertionError, match="through dynamo"):
+            graph(torch.randn(5, 8))
+    with torch.enable_grad(), pytest.raises(AssertionError, match="through dynamo"):
+        graph(a)
+    graph.compiled = through_dynamo
+    b = torch.randn(5, 8)
+    torch.testing.assert_close(graph(b), b @ w)

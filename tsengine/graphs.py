@@ -35,16 +35,15 @@ same static step is what a CUDA graph would capture; that path is unmeasured (no
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
-import types
 from dataclasses import astuple, dataclass
 
 import torch
 
 from tsengine.context import Context
+from tsengine.graph_compiler import compile_step
 from tsengine.kv_cache import scratch_slot, slot
 from tsengine.linear import compiled_packed_ops
 
@@ -93,28 +92,6 @@ class Heat:
         recent = [t for t in self._seen.get(key, ()) if self.clock - t < self.window] + [self.clock]
         self._seen[key] = recent[-self.after:]
         return len(recent) >= self.after
-
-
-def compile_step(fn, *bound, key: tuple):
-    """`fn` with `bound` as its first arguments, compiled for one shape, called without dynamo's guards on
-    modules.
-
-    Why: dynamo keeps its compiled entries per code object and checks them in turn on every call, each
-    against a guard per parameter and cache tensor. Every shape sharing `static_step`'s code put ~0.43 ms of
-    guard checks on each call (torch profiler, batch 1 with a chain of 3: three calls a step). So each graph
-    gets its own copy of the code, named for its `key` (the FX graph cache on disk keys on the graph, not the
-    name: the cached graphs' hashes did not change), and the module guards are skipped: ~0.13 ms a call. Safe
-    here because that copy is only ever called with the module and cache tensors bound below, and the bank
-    picks the graph by shape; the inputs' shape and dtype guards stay (vLLM skips the guards altogether).
-    Tried: keeping only the inputs' guards (and the bound callable's identity) broke two engines of one shape
-    in one process (`test_engines_of_one_shape_each_run_their_own_weights`): dynamo's entries for them are
-    told apart by guards on what is bound."""
-    name = "_".join([fn.__name__, *map(str, key)])
-    private = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
-                                 fn.__closure__)
-    return torch.compile(functools.partial(private, *bound), fullgraph=True, dynamic=False,
-                         options={"cpp_wrapper": True,
-                                  "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
 def _bucket(n: int, buckets) -> int | None:
