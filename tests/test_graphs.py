@@ -114,7 +114,7 @@ def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, 
 def test_engines_of_one_shape_each_run_their_own_weights(tiny_dirs, heads, tmp_path):
     """Each compiled step skips dynamo's module guards (`graph_compiler.compile_step`): two compiled engines in one
     process, targets of the same shapes with different weights and norm epsilon, drafting with one head,
-    each give their own eager tokens, whichever ran last. Fails if the graphs share a code object (measured)."""
+    each give their own eager tokens, whichever ran last. Fails if the graphs share a compiled entry (measured)."""
     other = make_target(tmp_path / "other", kind="llama", seed=5)
     config = json.loads((other / "config.json").read_text())  # a constant the graph bakes in, not a tensor:
     config["rms_norm_eps"] = 0.5  # a graph reused across engines would run the other engine's value
@@ -301,7 +301,7 @@ def test_a_graph_keeps_the_guards_on_its_inputs():
 
 def test_a_compiled_graph_is_called_without_dynamo_once_compiled():
     """After its first call, a graph of `compile_step` runs the bytecode dynamo made of it as a plain function
-    (`graphs.DirectGraph`): the same values as through dynamo, bound tensors read at each call, while a call
+    (`graph_compiler.DirectGraph`): the same values as through dynamo, bound tensors read at each call, while a call
     of another shape or with autograd on still goes through dynamo (where its guards tell the shapes apart)."""
     w = torch.randn(8, 8)
 

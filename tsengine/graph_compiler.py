@@ -77,7 +77,7 @@ class DirectGraph:
         finally:
             _compiling.pop()
         if self.direct is None and self.rewritten is not None:
-            self.direct = self._plain(self.rewritten)
+            self.direct, self.rewritten = self._plain(self.rewritten), None
             self.signature = _signature(inputs)
         return out
 
