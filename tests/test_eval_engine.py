@@ -224,14 +224,15 @@ def test_pipeline_eval_is_sized_to_a_quick_run(setup, tmp_path):
     assert (user["num_prompts"], user["max_new_tokens"]) == (20, 100)  # the user's numbers (all 8 prompts run)
 
 
-def test_int8_eval_is_checked_against_the_head_the_engine_serves(setup, monkeypatch):
-    """`--draft-quantization int8`: the engine serves the head in int8, the oracle's reference drafts with
-    the head's weights rounded to int8 (a copy: the caller's head is untouched), and the two agree."""
+@pytest.mark.parametrize("quantization", ["bf16", "int8"])
+def test_a_quantized_eval_is_checked_against_the_head_the_engine_serves(setup, monkeypatch, quantization):
+    """`--draft-quantization bf16|int8`: the engine serves the head so, the oracle's reference drafts with
+    the head's weights rounded the same way (a copy: the caller's head is untouched), and the two agree."""
     import copy
 
     from tsengine import llm as llm_module
     from tsengine.infer import reference
-    from tsengine.linear import round_to_int8
+    from tsengine.linear import round_weights
 
     seen, served = [], []
 
@@ -250,10 +251,10 @@ def test_int8_eval_is_checked_against_the_head_the_engine_serves(setup, monkeypa
     before = copy.deepcopy(setup["head"].state_dict())
     res = ev.measure("engine", setup["prompts"], SHAPES[:1], NEW, target=setup["dir"], draft=setup["head_dir"],
                      reference=lambda: (setup["model"], setup["tok"], setup["head"]),
-                     oracle_prompts=3, progress=False, draft_quantization="int8")["3,1,4"]
-    assert served == ["int8"] and res["draft_quantization"] == "int8"
+                     oracle_prompts=3, progress=False, draft_quantization=quantization)["3,1,4"]
+    assert served == [quantization] and res["draft_quantization"] == quantization
     assert [p["status"] for p in res["oracle"]["prompts"]] == ["match"] * 3
-    want = round_to_int8(copy.deepcopy(setup["head"])).state_dict()
+    want = round_weights(copy.deepcopy(setup["head"]), quantization).state_dict()
     assert len(seen) == 1 and not torch.equal(want["fc.weight"], before["fc.weight"])
     for name, tensor in seen[0].state_dict().items():
         assert torch.equal(tensor, want[name]), name

@@ -135,7 +135,7 @@ def test_init_from_target_copies_the_read_out_of_draft_ids(tiny_models):
     assert torch.equal(head.norm.weight, model.model.norm.weight)
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "bf16", "int8"])
 def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, quantization, monkeypatch):
     """`accelerate` runs q/k/v as one matmul and gate/up as one: every output the same bits as the separate
     served matmuls give, for few rows (our kernel) and many (oneDNN)."""
@@ -143,8 +143,8 @@ def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, qua
     from tsengine.kernels import rows_linear
     from tsengine.linear import accelerate
 
-    if quantization == "int8" and not rows_linear.available():
-        pytest.skip("int8 needs the few-row kernel")
+    if quantization != "none" and not rows_linear.available():
+        pytest.skip(f"{quantization} needs the few-row kernel")
     model, _ = tiny_models["llama"]
     head = accelerate(random_head(model, seed=2, draft_vocab_size=200), quantization)
     assert set(head.midlayer.fused) == {"qkv", "gate_up"}

@@ -140,7 +140,7 @@ def test_accelerate_int8_makes_the_module_the_int8_model_on_every_path(monkeypat
     torch.testing.assert_close(lin(few), F.linear(few, deq, lin.bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lin(many), F.linear(many, deq, lin.bias), rtol=1e-5, atol=1e-5)
     assert calls == [few.shape]
-    with pytest.raises(ValueError, match="allowed: none, int8"):
+    with pytest.raises(ValueError, match="allowed: none, bf16, int8"):
         accelerate(nn.Linear(8, 8), "int4")
 
 
@@ -158,3 +158,96 @@ def test_compiled_graph_calls_the_int8_kernel():
             got = step(x, r)
     torch.testing.assert_close(got, r + F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     assert "tsengine_cpu::rows_linear_int8" in {e.name for e in prof.events()}
+
+
+# ---- bf16 weights (the draft head's --speculative-draft-model-quantization bf16) ------------------------------
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("out_features", [7, 130])
+def test_bf16_panels_give_the_bits_of_fp32_panels_of_the_rounded_weights(rows, out_features):
+    """bf16 is a storage format here, not arithmetic: widened in registers, summed as fp32."""
+    from tsengine.linear import round_bf16
+
+    g = torch.Generator().manual_seed(rows * 100 + out_features)
+    x, w = torch.randn(rows, 301, generator=g), torch.randn(out_features, 301, generator=g)
+    b, r = torch.randn(out_features, generator=g), torch.randn(rows, out_features, generator=g)
+    low = round_bf16(w)
+    assert low.dtype == torch.bfloat16 and not torch.equal(low.float(), w)
+    got = rows_linear.rows_linear(x, rows_linear.panels(low), out_features, b, r)
+    assert torch.equal(got, _rows(x, low.float(), b, r))
+    torch.testing.assert_close(got, r + F.linear(x, low.float(), b), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_rows_are_the_same_bits_in_any_batch():
+    g = torch.Generator().manual_seed(2)
+    x, low = torch.randn(16, 576, generator=g), torch.randn(1539, 576, generator=g).bfloat16()
+    full = rows_linear.rows_linear(x, rows_linear.panels(low), 1539)
+    for rows in (1, 2, 3, 5, 16):
+        for start in range(0, 16 - rows + 1, rows):
+            got = rows_linear.rows_linear(x[start:start + rows], rows_linear.panels(low), 1539)
+            assert torch.equal(got, full[start:start + rows])
+
+
+@torch.no_grad()
+def test_accelerate_bf16_makes_the_module_the_rounded_model_on_every_path(monkeypatch):
+    """Few rows read the bf16 panels (half the bytes); more rows (prefill) and the parameters hold the
+    same rounded values in fp32."""
+    from torch import nn
+
+    from tsengine.linear import accelerate
+
+    lin = nn.Linear(64, 48)
+    original = lin.weight.clone()
+    accelerate(lin, "bf16")
+    rounded = original.bfloat16().float()
+    assert torch.equal(lin.weight, rounded) and not torch.equal(rounded, original)
+    assert lin.forward.panels.dtype == torch.bfloat16 and lin.forward.scale is None
+    few, many = torch.randn(rows_linear.MAX_ROWS, 64), torch.randn(rows_linear.MAX_ROWS + 1, 64)
+    want = _rows(few, rounded, lin.bias)
+    calls = []
+    real = rows_linear.rows_linear
+    monkeypatch.setattr(rows_linear, "rows_linear", lambda *a: calls.append(a[1].dtype) or real(*a))
+    assert torch.equal(lin(few), want)
+    torch.testing.assert_close(lin(many), F.linear(many, rounded, lin.bias), rtol=1e-5, atol=1e-5)
+    assert calls == [torch.bfloat16]
+
+
+def test_compiled_graph_calls_the_kernel_on_bf16_panels():
+    from torch import nn
+
+    from tsengine.linear import accelerate
+
+    lin = accelerate(nn.Linear(64, 48), "bf16")
+    x, r = torch.randn(4, 64), torch.randn(4, 48)
+    step = torch.compile(lambda x, r: lin.forward.add(x, r), fullgraph=True, options={"cpp_wrapper": True})
+    with torch.no_grad():
+        step(x, r)
+        got = step(x, r)
+    assert torch.equal(got, _rows(x, lin.weight, lin.bias, r))
+
+
+@torch.no_grad()
+def test_weights_that_are_bf16_values_are_read_as_bf16_to_the_same_bits():
+    """A bf16 checkpoint loaded into an fp32 engine: half the bytes, nothing else changes."""
+    g = torch.Generator().manual_seed(5)
+    exact, fp32 = torch.randn(48, 64, generator=g).bfloat16().float(), torch.randn(48, 64, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    for w, stored in ((exact, torch.bfloat16), (fp32, torch.float32)):
+        lin = Linear(w)
+        assert lin.panels.dtype == stored and torch.equal(lin.weight, w)
+        assert torch.equal(lin(x), _rows(x, w))
+
+
+@torch.no_grad()
+def test_projections_fused_from_bf16_and_fp32_weights_run_on_fp32_panels():
+    """One fused matmul over a bf16-exact and an fp32 projection (a partly rounded checkpoint) keeps each
+    one's values: the stacked copy is fp32, never a concatenation of mismatched stored copies."""
+    from tsengine.linear import _stacked
+
+    g = torch.Generator().manual_seed(6)
+    exact, fp32 = torch.randn(32, 64, generator=g).bfloat16().float(), torch.randn(16, 64, generator=g)
+    x = torch.randn(2, 64, generator=g)
+    fused = _stacked([Linear(exact), Linear(fp32)])
+    assert fused.panels.dtype == torch.float32
+    assert torch.equal(fused(x), _rows(x, torch.cat([exact, fp32])))
+    both = _stacked([Linear(exact), Linear(exact)])
+    assert both.panels.dtype == torch.bfloat16 and torch.equal(both(x), _rows(x, torch.cat([exact, exact])))

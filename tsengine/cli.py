@@ -209,7 +209,8 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--trees", default="3x2x6", help="tree shapes STEPSxTOPKxNODES, comma-separated ('' for none)")
     tu.add_argument("--no-ngram", action="store_true", help="skip NGRAM")
     tu.add_argument("--draft-quantization", choices=get_args(DraftQuantization), default="none",
-                    help="serve the head of every head configuration in int8 (CPU fp32; default none)")
+                    help="serve the head of every head configuration with its weights in bf16 or int8 (CPU fp32; "
+                         "default none)")
     tu.add_argument("--repeats", type=_positive, default=3,
                     help="runs of each level; the median tok/s is reported (default 3: a shared CPU is noisy)")
     tu.add_argument("--temperature", type=float, default=0.0)

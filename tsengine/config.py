@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tsengine.errors import UserError, fail_if
 
 # How the engine may store the EAGLE3 head's weights (tsengine/linear.py runs them; one list for every flag)
-DraftQuantization = Literal["none", "int8"]
+DraftQuantization = Literal["none", "bf16", "int8"]
 
 ALGORITHMS = ("EAGLE3", "NGRAM")
 
@@ -88,8 +88,9 @@ class SpeculativeConfig(_Strict):
         "temperature > 0 rule for trees: gumbel (default: plain sampling's tokens) or multiround (point-mass "
         "multi-round rejection)"))
     draft_model_quantization: DraftQuantization = Field("none", description=(
-        "EAGLE3 head weights: none (as loaded) or int8 (per-row symmetric, CPU fp32 only: a quarter of the "
-        "bytes each draft step reads; drafts may differ, outputs cannot)"))
+        "EAGLE3 head weights: none (as loaded), bf16 (rounded to bfloat16, fp32 math: half the bytes each "
+        "draft step reads) or int8 (per-row symmetric: a quarter); bf16 and int8 are CPU fp32 only; drafts "
+        "may differ, outputs cannot"))
     adaptive: bool = Field(False, description=(
         "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
         "lookup or none) and the configured tree, from the measured acceptance and step cost "

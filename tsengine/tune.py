@@ -51,7 +51,7 @@ class Measured:
 
 def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]], ngram: bool,
                draft_quantization: str = "none") -> list[Candidate]:
-    """`draft_quantization` int8: every head candidate serves the head in int8 (its flags say so)."""
+    """`draft_quantization` bf16 or int8: every head candidate serves the head so (its flags say so)."""
     out = [Candidate("plain", [], None)]
     if ngram:
         out.append(Candidate(f"ngram {steps}", ["--speculative-algorithm", "NGRAM", "--speculative-num-steps",

@@ -10,9 +10,12 @@
 // Batch invariance, on purpose: y[m, n] is one lane's sum over k in order 0..K-1 (one FMA a step), whatever
 // the number of rows, wherever row m sits and however rows are blocked, so a token's logits are bitwise
 // the same in a 1-row decode step and in a verify window: speculation cannot flip a near-tie.
-// int8 panels (the draft head, opt-in) hold the weights as int8 with one fp32 scale per output feature: a
-// quarter of the bytes, widened to fp32 in registers, summed in the same order, scaled once per output:
-// y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
+// Fewer bytes for the draft head (opt-in, --speculative-draft-model-quantization):
+// - bf16 panels hold the weights rounded to bfloat16, widened to fp32 in registers (a 16-bit shift, no
+//   bf16 units needed) and summed in the same order: the bits of the fp32 panels of the rounded weights,
+//   from half the bytes;
+// - int8 panels hold them as int8 with one fp32 scale per output feature: a quarter of the bytes, widened
+//   the same way, scaled once per output: y[m, n] = scale[n] * sum_k q[n, k] x[m, k].
 #include <immintrin.h>
 
 #include <algorithm>
@@ -33,6 +36,12 @@ constexpr int64_t K_TILE = 32;       // above 4 rows: k in tiles of 2 KB of a pa
 inline void load16(const float* p, __m256& lo, __m256& hi) {
   lo = _mm256_loadu_ps(p);
   hi = _mm256_loadu_ps(p + 8);
+}
+
+inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {  // bf16: the high half of an fp32
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(v)), 16));
+  hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(v, 1)), 16));
 }
 
 inline void load16(const int8_t* p, __m256& lo, __m256& hi) {
@@ -57,7 +66,7 @@ inline void tile(const float* __restrict x, int64_t K, int64_t k0, int64_t k1, c
     for (int p = 0; p < NP; ++p) {
       const W* wk = w + p * panel_stride + k * P;
       load16(wk, wv[2 * p], wv[2 * p + 1]);
-      if (sizeof(W) == 4 || (k & 3) == 0)  // fp32: a 64-byte line every k; int8: every 4th k
+      if (k % (4 / sizeof(W)) == 0)  // a 64-byte line every k (fp32), every 2nd (bf16), every 4th (int8)
         _mm_prefetch(reinterpret_cast<const char*>(wk) + AHEAD, _MM_HINT_T0);
     }
 #pragma GCC unroll 16
@@ -104,7 +113,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const f
   }
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const W* wp = panels.data_ptr<W>();
+  const W* wp = static_cast<const W*>(panels.const_data_ptr());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   const float* rp = residual ? res.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -145,7 +154,8 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const f
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(panels.dtype() == at::kFloat, "rows_linear: float32 weights only");
+  if (panels.dtype() == at::kBFloat16) return run<uint16_t>(x, panels, out_features, nullptr, bias, residual);
+  TORCH_CHECK(panels.dtype() == at::kFloat, "rows_linear: float32 or bfloat16 weights only");
   return run<float>(x, panels, out_features, nullptr, bias, residual);
 }
 
