@@ -3,16 +3,16 @@
 All rows run in one process, side by side, on the same prompts (the built-in validation prompts, evenly
 spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decodes the same count):
 
-    python bench/engine_speed.py --draft DIR [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
+    python bench/engine_speed.py --draft DIR[,DIR2] [--random-head] [--prompts 8 --max-tokens 128 --repeats 3]
                                  [--shapes 3,1,4;5,4,16;4,8,32] [--ngram] [--temperature 0.7] [--no-hf]
-                                 [--modes compiled,eager] [--extend-graphs] [--int8]
+                                 [--modes compiled,eager] [--extend-graphs] [--bf16] [--int8]
 
 `--modes`: every engine row once per mode, side by side: compiled step graphs (the default,
 tsengine/graphs.py) and eager (`--enforce-eager`). The warm-up decodes the longest prompt to the full
 length first, so every graph a timed row needs is compiled before the clock starts.
 
-`--int8` adds each EAGLE-3 row again with the head's weights in int8 (`--speculative-draft-model-quantization
-int8`): τ may move (the drafts are the int8 head's), outputs may not.
+`--bf16` / `--int8` add each EAGLE-3 row again with the head's weights in bf16 / int8
+(`--speculative-draft-model-quantization`): τ may move (the drafts are the rounded head's), outputs may not.
 
 `--shapes` lists EAGLE-3 shapes as steps,topk,num_draft_tokens (topk 1: chain; > 1: EAGLE-2 tree), one
 row each. At `--temperature` > 0 every request is seeded, so every row must still equal the plain row.
@@ -28,6 +28,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -90,7 +91,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
-    ap.add_argument("--draft", help="trained EAGLE-3 head directory")
+    ap.add_argument("--draft", help="trained EAGLE-3 head directory (comma-separated: each one's rows, the later "
+                    "ones named by their directory)")
     ap.add_argument("--random-head", action="store_true", help="also time an untrained head (speculating for nothing)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -102,6 +104,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--extend-graphs", action="store_true", help="also each compiled EAGLE-3 row with the head's "
                     "extension in a graph (TSENGINE_EXTEND_GRAPHS=1's opt-in, tsengine/graphs.py)")
+    ap.add_argument("--bf16", action="store_true", help="also each EAGLE-3 row with the head's weights in bf16")
     ap.add_argument("--int8", action="store_true", help="also each EAGLE-3 row with the head in int8")
     ap.add_argument("--modes", default="compiled,eager",
                     help="engine modes, one set of rows each: compiled (step graphs, the default) and/or eager")
@@ -113,13 +116,14 @@ def main() -> None:
         eager, tag = mode == "eager", "" if mode == "compiled" else f" [{mode}]"
         kw = dict(max_num_seqs=1, enable_prefix_caching=False, enforce_eager=eager)
         rows["plain" + tag] = LLM(path, **kw)
-        if args.draft:
+        for i, draft in enumerate(args.draft.split(",") if args.draft else []):
+            which = "" if i == 0 else f" [{Path(draft).name}]"
             for shape in args.shapes.split(";"):
                 st, k, n = (int(x) for x in shape.split(","))
-                spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": st, "eagle_topk": k,
+                spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": st, "eagle_topk": k,
                         "num_draft_tokens": n}
-                for quant in ("none", "int8") if args.int8 else ("none",):
-                    name = f"eagle3 ({st},{k},{n})" + ("" if quant == "none" else f" {quant}")
+                for quant in ("none", *(["bf16"] if args.bf16 else []), *(["int8"] if args.int8 else [])):
+                    name = f"eagle3 ({st},{k},{n})" + ("" if quant == "none" else f" {quant}") + which
                     spec = {**spec, "quantization": quant}
                     rows[name + tag] = LLM(path, **kw, speculative_config=spec)
                     if args.extend_graphs and not eager:
@@ -148,7 +152,7 @@ def main() -> None:
     for llm in rows.values():  # warm-up: first calls allocate, pick kernels and compile every context bucket
         engine_row(llm, [longest], args.max_tokens)
     results: dict[str, list] = {k: [] for k in ["hf", *rows]}
-    info = {}
+    info, splits = {}, {k: [] for k in rows}
     for r in range(args.repeats):
         if not args.no_hf:
             tps, hf_out = hf_row(path, prompts, args.max_tokens)
@@ -157,18 +161,19 @@ def main() -> None:
             tps, outs, split, tau, steps = engine_row(llm, prompts, args.max_tokens, args.temperature)
             results[name].append(tps)
             info[name] = (outs, split, tau, steps)
+            splits[name].append(split)
         print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items() if v), flush=True)
     med = {k: statistics.median(v) for k, v in results.items() if v}
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seeded"
     print(f"\n{len(prompts)} prompts x {args.max_tokens} new tokens, batch 1, {mode}, "
-          f"median of {args.repeats} (tok/s); torch threads {torch.get_num_threads()}")
+          f"median of {args.repeats} (tok/s, and each share of the time split); torch threads {torch.get_num_threads()}")
     print("| row | tok/s | vs HF | vs plain | τ | time split forward / commit / draft |")
     print("| --- | --- | --- | --- | --- | --- |")
     for k, v in med.items():
         vs_hf = f"{v / med['hf']:.2f}x" if "hf" in med else "-"
         tau, split = (f"{info[k][2]:.2f}" if k in info and info[k][2] else "-"), "-"
         if k in info:
-            s = info[k][1]
+            s = {part: statistics.median(x[part] for x in splits[k]) for part in ("forward", "commit", "draft")}
             split = f"{s['forward']:.1%} / {s['commit']:.1%} / {s['draft']:.1%}"
         print(f"| {k} | {v:.1f} | {vs_hf} | {v / med[plain_name]:.2f}x | {tau} | {split} |")
     base = info[plain_name][0]
