@@ -250,10 +250,14 @@ class DraftGraphs:
         context = _bucket(max(start + n for _, start, n in runs), self.contexts)
         return None if window is None or size is None or context is None else (size, window, context)
 
-    def _pad(self, runs, ids: list[int], aux: torch.Tensor, size: int, window: int, context: int):
+    def _pad(self, runs, ids: list[int], aux: torch.Tensor, rows: list[int] | None, size: int, window: int,
+             context: int):
         """The runs laid out as a uniform [size, window] batch: the graph's inputs (ids, features, positions,
-        slots, tables, lens), and the flat indices of the real rows and of each run's last row."""
-        bs, total = self.proposer.block_size, len(ids)
+        slots, tables, lens), and the flat indices of the real rows and of each run's last row. Row t of the
+        runs reads features aux[rows[t]] (rows None: aux[t]), gathered once here; a padding row reads the
+        first real row's (any finite features do: it writes to the scratch slot and its outputs are dropped)."""
+        bs = self.proposer.block_size
+        rows = rows if rows is not None else range(len(ids))
         positions, slots, feed, src, real, t = [], [], [], [], [], 0
         for b, (table, start, n) in enumerate(runs):  # host bookkeeping, as Context.build's
             for r in range(window):
@@ -261,7 +265,7 @@ class DraftGraphs:
                 real_row = r < n
                 slots.append(slot(table, start + r, bs) if real_row else self.scratch)
                 feed.append(ids[t] if real_row else 0)
-                src.append(t if real_row else total)  # `total`: the zero row appended below
+                src.append(rows[t] if real_row else rows[0])
                 if real_row:
                     real.append(b * window + r)
                     t += 1
@@ -276,10 +280,10 @@ class DraftGraphs:
         def long(x):
             return torch.tensor(x, dtype=torch.long).to(dev)
 
-        feats = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])[long(src + [total] * rows_pad)]
+        feats = aux[long(src + [rows[0]] * rows_pad)]
         inputs = (long(feed + [0] * rows_pad), feats, long(positions + [0] * rows_pad),
                   long(slots + [self.scratch] * rows_pad), long(tables), long(lens))
-        return inputs, long(real), long(last)
+        return inputs, real, long(last)
 
     def extend(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor) -> torch.Tensor | None:
         """The head's outputs [T, H] over the runs' committed rows (per run: block table, first position,
@@ -293,13 +297,15 @@ class DraftGraphs:
         graph = self._graph(key, extend_step, self.proposer, shape[1])
         if graph is None:
             return None
-        inputs, real, _ = self._pad(runs, ids, aux, *shape)
-        return self._call(key, "extension", graph, *inputs)[real]
+        inputs, real, _ = self._pad(runs, ids, aux, None, *shape)
+        return self._call(key, "extension", graph, *inputs)[torch.tensor(real, device=aux.device)]
 
     def extend_and_chain(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor,
-                         steps: int) -> torch.Tensor | None:
+                         steps: int, rows: list[int] | None = None) -> torch.Tensor | None:
         """[D, steps] greedy drafts of every run (each run drafts), after the head's extension over their
-        committed rows (arguments as `extend`'s); None when they fit no graph or it is not hot yet."""
+        committed rows (arguments as `extend`'s, but the runs' row t reads features aux[rows[t]] when
+        `rows` is given: the step's features are gathered once, here); None when they fit no graph or it is
+        not hot yet."""
         shape = self._shape(runs)
         if shape is None:
             return None
@@ -307,7 +313,7 @@ class DraftGraphs:
         graph = self._graph(key, extend_and_chain_step, self.proposer, shape[1], steps)
         if graph is None:
             return None
-        inputs, _, last = self._pad(runs, ids, aux, *shape)
+        inputs, _, last = self._pad(runs, ids, aux, rows, *shape)
         return self._call(key, f"head extension (window {shape[1]}) and chain", graph, *inputs, last)[:len(runs)]
 
     def chain(self, steps: int, hidden, pos, tables):

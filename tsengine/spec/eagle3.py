@@ -70,17 +70,16 @@ class Eagle3Proposer:
             last, need = [], []
         dev = proposal.aux.device
         long = dict(dtype=torch.long, device=dev)
-        aux = proposal.aux[torch.tensor(rows, **long)]
-        rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev) if need else None
-        one_graph = (bool(need) and tree is None and rp.all_greedy and len(need) == len(runs)
+        one_graph = (bool(need) and tree is None and all(q.params.greedy for q in need) and len(need) == len(runs)
                      and self.graphs is not None and self.graphs.fits(runs))  # every request drafts greedily
         out = None
-        if one_graph:
-            chain = self.graphs.extend_and_chain(runs, ids, aux, steps)  # one graph, or None: not hot / no fit
+        if one_graph:  # one graph, or None: not hot / no fit
+            chain = self.graphs.extend_and_chain(runs, ids, proposal.aux, steps, rows)
             out = (chain, None) if chain is not None else None
         if out is None:
-            out, positions = self._extend(runs, ids, aux)
+            out, positions = self._extend(runs, ids, proposal.aux[torch.tensor(rows, **long)])
             if need:
+                rp = RowParams.build([q.params for q in need], [q.seed for q in need], dev)
                 width = max(len(q.table) for q in need)
                 tables = torch.tensor([q.table + [0] * (width - len(q.table)) for q in need], dtype=torch.long).to(dev)
                 last = torch.tensor(last, **long)
