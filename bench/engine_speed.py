@@ -8,7 +8,7 @@ spaced), greedy, `--max-tokens` new tokens each (EOS ignored so every row decode
                                  [--modes compiled,eager] [--extend-graphs] [--bf16] [--int8]
 
 `--modes`: every engine row once per mode, side by side: compiled step graphs (the default,
-tsengine/graphs.py) and eager (`--enforce-eager`). The warm-up decodes the longest prompt to the full
+tsengine/model/graphs.py) and eager (`--enforce-eager`). The warm-up decodes the longest prompt to the full
 length first, so every graph a timed row needs is compiled before the clock starts.
 
 `--bf16` / `--int8` add each EAGLE-3 row again with the head's weights in bf16 / int8
@@ -69,7 +69,7 @@ def hf_row(path, prompts, n) -> tuple[float, list[list[int]]]:
 
 
 def engine_row(llm, prompts, n, temperature=0.0):
-    from tsengine.sampling import SamplingParams
+    from tsengine.sampling_params import SamplingParams
 
     e = llm.engine
     st = e.stats
@@ -86,7 +86,7 @@ def engine_row(llm, prompts, n, temperature=0.0):
 
 
 def main() -> None:
-    from tsengine.llm import LLM
+    from tsengine.entrypoints.llm import LLM
     from tsengine.targets import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--ngram", action="store_true", help="also an NGRAM (prompt lookup) row, --steps tokens")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--extend-graphs", action="store_true", help="also each compiled EAGLE-3 row with the head's "
-                    "extension in a graph (TSENGINE_EXTEND_GRAPHS=1's opt-in, tsengine/graphs.py)")
+                    "extension in a graph (TSENGINE_EXTEND_GRAPHS=1's opt-in, tsengine/model/graphs.py)")
     ap.add_argument("--bf16", action="store_true", help="also each EAGLE-3 row with the head's weights in bf16")
     ap.add_argument("--int8", action="store_true", help="also each EAGLE-3 row with the head in int8")
     ap.add_argument("--modes", default="compiled,eager",

@@ -73,7 +73,7 @@ def write_head(target: Path, out: Path) -> Path:
 
 
 def timed(llm, batch: int, n: int, repeats: int = 3) -> float:
-    from tsengine.sampling import SamplingParams
+    from tsengine.sampling_params import SamplingParams
 
     prompts = [[100 + (7 * b + j) % 300 for j in range(64)] for b in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -89,7 +89,7 @@ def timed(llm, batch: int, n: int, repeats: int = 3) -> float:
 
 
 def main() -> None:
-    from tsengine.llm import LLM
+    from tsengine.entrypoints.llm import LLM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)

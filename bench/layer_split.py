@@ -7,7 +7,7 @@ forwards of one token at position `--position`:
     python bench/layer_split.py [--target smollm2-135m --forwards 100 --position 100] [--thread] [--compiled
         [--rows 1,4]]
 
-`--compiled` profiles the compiled step graph instead (tsengine/graphs.py): the pieces are fused there, so
+`--compiled` profiles the compiled step graph instead (tsengine/model/graphs.py): the pieces are fused there, so
 it lists torch profiler's ops (the matmuls, inductor's fused C++ kernels) per forward, and the wall time;
 `--rows` times a verify window of each row count too (one graph each, rounds alternating in one process),
 and prints each one's wall time against the first's (issue 16's "4-row verify ≤ 1.1× a 1-row decode"),
@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 
 def main() -> None:
-    from tsengine.attention import paged_attention, write_kv
-    from tsengine.context import Context
-    from tsengine.llm import LLM
-    from tsengine.models.llama import rms_norm, rope_matrices
+    from tsengine.model.attention import paged_attention, write_kv
+    from tsengine.model.context import Context
+    from tsengine.entrypoints.llm import LLM
+    from tsengine.model.llama import rms_norm, rope_matrices
     from tsengine.targets import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -100,8 +100,8 @@ def compiled_profile(a) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from tsengine.context import Context
-    from tsengine.llm import LLM
+    from tsengine.model.context import Context
+    from tsengine.entrypoints.llm import LLM
     from tsengine.targets import resolve
 
     r = LLM(resolve(a.target), max_num_seqs=1, enforce_eager=False).engine.runner

@@ -1,6 +1,6 @@
 """What one decode / verify step's matmuls cost on this CPU: every weight of a Llama-shaped target, read
 once for 1 to 16 input rows, with torch's default F.linear (MKL), with oneDNN pre-packed weights and with
-our few-row kernel (`tsengine/kernels/rows_linear.cpp`; `tsengine/linear.py` picks between them), and that
+our few-row kernel (`tsengine/model/kernels/rows_linear.cpp`; `tsengine/model/linear.py` picks between them), and that
 kernel on int8 weights (what the draft head can run; GB/s there counts the fp32 bytes it stands for). Random
 weights of the real shapes (default SmolLM2-135M); min over repeats, the kernels interleaved per repeat.
 
@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tsengine.kernels import rows_linear
-from tsengine.linear import PACK_ROWS
+from tsengine.model.kernels import rows_linear
+from tsengine.model.linear import PACK_ROWS
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     kernels = {"F.linear (MKL)": lambda x, w, p: F.linear(x, w),
                "oneDNN packed": lambda x, w, p: lp(x, p, None, "none", [], "")}
     if rows_linear.available():
-        from tsengine.linear import quantize_int8
+        from tsengine.model.linear import quantize_int8
 
         panels = {id(w): rows_linear.panels(w) for w in ws}
         kernels["rows_linear"] = lambda x, w, p: rows_linear.rows_linear(x, panels[id(w)], w.shape[0])

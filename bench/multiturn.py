@@ -42,7 +42,7 @@ FOLLOW_UPS = ["Can you explain that in more detail?", "Give a concrete example."
 
 def start_server(args, name: str, extra: list[str]) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "tsengine.cli", "serve", "--model", args.target, "--port", str(port),
+    cmd = [sys.executable, "-m", "tsengine.entrypoints.cli", "serve", "--model", args.target, "--port", str(port),
            "--served-model-name", MODEL, "--max-num-seqs", str(max(args.concurrency, args.n)),
            "--kv-cache-memory", str(args.kv_cache_memory), *extra]
     if args.draft:

@@ -1,7 +1,7 @@
 """A hostile-but-fair client against `tsengine serve` on loopback: the probe list of issue 14.
 
 Starts the server itself (so it can also send SIGTERM at the end), runs every probe, prints one line per
-probe and the totals. `--checkout DIR` runs another revision's server (its own `python -m tsengine.cli`),
+probe and the totals. `--checkout DIR` runs another revision's server (its own `python -m tsengine.entrypoints.cli`),
 so old and new answer the same probes. Only flags every revision has are passed.
 
     python bench/probe_server.py --model smollm2-135m [--spec-head runs/smollm2-135m/export] [--checkout DIR]
@@ -276,7 +276,7 @@ def main() -> None:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    cmd = [sys.executable, "-m", "tsengine.cli", "serve", "--model", args.model, "--port", str(port),
+    cmd = [sys.executable, "-m", "tsengine.entrypoints.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-model-len", str(args.max_model_len)]
     if args.spec_head:
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.spec_head,

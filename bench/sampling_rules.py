@@ -29,7 +29,7 @@ from engine_speed import engine_row, val_prompts  # noqa: E402  (this directory 
 
 
 def main() -> None:
-    from tsengine.llm import LLM
+    from tsengine.entrypoints.llm import LLM
     from tsengine.targets import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

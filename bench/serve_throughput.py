@@ -93,7 +93,7 @@ def server_rows(args) -> list[tuple[str, list[str]]]:
 
 def start_server(args, spec: list[str]) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "tsengine.cli", "serve", "--model", args.target, "--port", str(port),
+    cmd = [sys.executable, "-m", "tsengine.entrypoints.cli", "serve", "--model", args.target, "--port", str(port),
            "--served-model-name", MODEL, "--max-num-seqs", str(max(args.levels)),
            # every server is up at once, so each gets a bounded KV cache (the default sizes it for the whole
            # context of every request: ~4 GiB for SmolLM2 at 64 requests, five of which exhaust 24 GiB)

@@ -126,8 +126,8 @@ def evaluate_engine(target: str, draft: str, prompts, shapes, max_new_tokens: in
     whose re-prefill would commit a token outside a verify step."""
     from transformers import AutoConfig
 
-    from tsengine.llm import LLM
-    from tsengine.sampling import SamplingParams
+    from tsengine.entrypoints.llm import LLM
+    from tsengine.sampling_params import SamplingParams
     from tsengine.targets import resolve
 
     try:
@@ -214,7 +214,7 @@ def measure(backend: str, prompts, shapes, max_new_tokens: int, *, target: str, 
     if backend not in ("engine", "reference"):
         raise UserError(f"eval backend {backend!r}: allowed: engine, reference")
     if draft_quantization != "none":
-        from tsengine.linear import round_weights
+        from tsengine.model.linear import round_weights
 
         load = reference
 

@@ -25,13 +25,13 @@ from tsengine.eagle3.config import Eagle3Config
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.eagle3.vocab import vocab_map
 from tsengine.infer.reference import DraftTree, compare_to_greedy
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
-from tsengine.async_engine import AsyncEngine
-from tsengine.engine import Engine
-from tsengine.http_guards import header_deadline_protocol
-from tsengine.server import build_app
-from tsengine.server_settings import ServerSettings
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
+from tsengine.entrypoints.openai.async_engine import AsyncEngine
+from tsengine.engine.core import Engine
+from tsengine.entrypoints.openai.guards import header_deadline_protocol
+from tsengine.entrypoints.openai.app import build_app
+from tsengine.entrypoints.openai.settings import ServerSettings
 
 
 # ---- heads ----------------------------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def make_llm(tiny_dirs, kind="llama", head=None, steps=3, **kw):
 
 def first_drafts(llm, prompt: list[int]) -> tuple[list[int], list[int]]:
     """Run one greedy request until its first output token: (its tokens then, the drafts made from them)."""
-    from tsengine.sampling import SamplingParams
+    from tsengine.sampling_params import SamplingParams
 
     e = llm.engine
     e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))

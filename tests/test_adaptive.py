@@ -1,4 +1,4 @@
-"""Adaptive speculation in the engine (tsengine/spec/adaptive.py, adaptive_proposer.py, issue 15): lossless
+"""Adaptive speculation in the engine (tsengine/speculative/adaptive/policy.py, adaptive_proposer.py, issue 15): lossless
 under any decisions (plain, chains, trees, prompt lookup, pads, per-request sources), the server and the
 config, and the head's lazy extension. The policy's own choices: tests/test_adaptive_policy.py."""
 
@@ -14,13 +14,13 @@ from prometheus_client import generate_latest
 from tests.helpers import PROMPTS, make_llm, serving
 from tsengine.config import EngineConfig, SpeculativeConfig
 from tsengine.errors import UserError
-from tsengine.llm import LLM
-from tsengine.prometheus import PrometheusMetrics
-from tsengine.sampling import SamplingParams
+from tsengine.entrypoints.llm import LLM
+from tsengine.entrypoints.openai.prometheus import PrometheusMetrics
+from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
-from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm, Plan, stats
-from tsengine.spec.adaptive_proposer import AdaptiveProposer
-from tsengine.spec.drafts import Committed, Proposal
+from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan, stats
+from tsengine.speculative.adaptive.proposer import AdaptiveProposer
+from tsengine.speculative.drafts import Committed, Proposal
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
           SamplingParams(temperature=0.9, seed=4, max_tokens=24, ignore_eos=True),
@@ -161,13 +161,14 @@ def test_the_head_extends_only_over_requests_it_can_draft_for():
     """A request with a hole in the head's cache (`head_gap`) never drafts from it again (until a
     recompute): the head's extension is not spent on that request's rows."""
     head = RecordingHead()
-    proposer = AdaptiveProposer(head, NoLookup(), 3)
+    proposer = AdaptiveProposer(head, NoLookup(), steps=3)
     forced(proposer, ["eagle3", "eagle3"])
     skipped, fresh = (Sequence(r, [1] * 10, SamplingParams(max_tokens=8), 0) for r in ("skipped", "fresh"))
     skipped.num_cached, skipped.draft_cached = 9, 4
     stats(skipped, 3).head_gap = True
-    runs = [Committed(skipped, 8, [0], True), Committed(fresh, 0, list(range(1, 10)), True)]
-    proposer.propose(Proposal(runs, torch.zeros(10, 2), decode_rows=1, prefill_rows=9))
+    runs = [Committed(seq=skipped, start=8, rows=[0], drafts_next=True),
+            Committed(seq=fresh, start=0, rows=list(range(1, 10)), drafts_next=True)]
+    proposer.propose(Proposal(runs=runs, aux=torch.zeros(10, 2), decode_rows=1, prefill_rows=9))
     assert [r for r, _, _ in head.extended] == ["fresh"]
 
 
@@ -176,11 +177,11 @@ def test_the_head_extends_over_a_request_when_it_drafts_for_it_and_keeps_its_fea
     the run's target features; the step that does extends over the kept rows and its own in one run from
     where the head's cache ends, with those very features. Past `BACKLOG_ROWS` kept rows it catches up
     without drafting; a run from where the head's cache ends starts afresh."""
-    import tsengine.spec.adaptive_proposer as module
+    import tsengine.speculative.adaptive.proposer as module
 
     monkeypatch.setattr(module, "BACKLOG_ROWS", 6)
     head = RecordingHead()
-    proposer = AdaptiveProposer(head, NoLookup(), 3)
+    proposer = AdaptiveProposer(head, NoLookup(), steps=3)
     seqs = [Sequence(r, list(range(20)), SamplingParams(max_tokens=8), 0) for r in ("kept", "long")]
 
     def step(start: dict[str, int], rows_of: dict[str, int], sources: list[str]):
@@ -189,9 +190,10 @@ def test_the_head_extends_over_a_request_when_it_drafts_for_it_and_keeps_its_fea
         runs, aux = [], []  # every run's features: its position, as a row of 2 values
         for seq in seqs:
             n = rows_of[seq.request_id]
-            runs.append(Committed(seq, start[seq.request_id], list(range(len(aux), len(aux) + n)), True))
+            runs.append(Committed(seq=seq, start=start[seq.request_id], rows=list(range(len(aux), len(aux) + n)),
+                                  drafts_next=True))
             aux += [[float(start[seq.request_id] + i)] * 2 for i in range(n)]
-        proposer.propose(Proposal(runs, torch.tensor(aux), decode_rows=2))
+        proposer.propose(Proposal(runs=runs, aux=torch.tensor(aux), decode_rows=2))
         return [(r, s) for r, s, _ in head.extended]
 
     assert step({"kept": 0, "long": 0}, {"kept": 2, "long": 2}, ["eagle3", "plain"]) == [("kept", 0)]
@@ -259,12 +261,13 @@ def test_the_catch_up_is_timed_apart_from_the_plan():
     head's line learns the step's own extension and drafting only."""
     head = RecordingHead()
     head.catch_up_seconds = 0.05
-    proposer = AdaptiveProposer(head, NoLookup(), 3)
+    proposer = AdaptiveProposer(head, NoLookup(), steps=3)
     seq = Sequence("r", list(range(20)), SamplingParams(max_tokens=8), 0)
     learned = []
     real_update = proposer.policy.draft_cost.update
     proposer.policy.draft_cost.update = lambda x, y: (learned.append((x[1], y)), real_update(x, y))
     for start, source in ((0, "plain"), (1, "plain"), (2, "eagle3")):
         forced(proposer, [source])
-        proposer.propose(Proposal([Committed(seq, start, [0], True)], torch.zeros(1, 2), decode_rows=1))
+        proposer.propose(Proposal(runs=[Committed(seq=seq, start=start, rows=[0], drafts_next=True)],
+                                  aux=torch.zeros(1, 2), decode_rows=1))
     assert seq.draft_cached == 3 and [rows for rows, _ in learned] == [1] and learned[0][1] < 0.04, learned

@@ -1,4 +1,4 @@
-"""Adaptive speculation's policy alone (tsengine/spec/adaptive.py, tsengine/spec/estimates.py, issue 15): the
+"""Adaptive speculation's policy alone (tsengine/speculative/adaptive/policy.py, tsengine/speculative/adaptive/estimates.py, issue 15): the
 fitted costs and acceptance it measures, and the choices it makes from them, on policies fed by hand. The
 engine-level tests (losslessness under any decisions, the head's lazy extension) are tests/test_adaptive.py."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tsengine.sampling import SamplingParams
+from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
-from tsengine.spec.adaptive import PAD, AdaptivePolicy, Arm, Plan
-from tsengine.spec.adaptive_proposer import known_remaining
-from tsengine.spec.drafts import Proposal
-from tsengine.spec.estimates import Acceptance, LinearCost, PerRequest
+from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan
+from tsengine.speculative.adaptive.proposer import known_remaining
+from tsengine.speculative.drafts import Proposal
+from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
 
 def test_linear_cost_recovers_a_line():
     model = LinearCost(("base", "per_row"), forget=1.0)
@@ -141,7 +141,7 @@ def test_what_an_arm_delivers_corrects_its_prediction():
     for _ in range(120):
         p.learn_draft(16, plan, 0.002)
         seconds = 0.0116
-        p.learn(Proposal([], None, decode_rows=16, target_seconds=seconds, graph=True,
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=seconds, graph=True,
                          tokens=round(0.5 * plan.raw_tokens_per_s * (seconds + 0.002))))
     assert p.correction("chain 3", 4) == pytest.approx(0.5, abs=0.05)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
@@ -150,7 +150,7 @@ def test_what_an_arm_delivers_corrects_its_prediction():
 
 
 def test_a_one_row_step_is_priced_from_its_own_record():
-    """One row runs another matmul kernel than two or more (tsengine/linear.py): here 10 ms, while the line
+    """One row runs another matmul kernel than two or more (tsengine/model/linear.py): here 10 ms, while the line
     through 2..8-row steps starts at 15 ms. Plain decoding at batch 1 is priced at 10 ms, not 16."""
     p = AdaptivePolicy(3)
     p.graphs_seen = True
@@ -171,14 +171,14 @@ def test_one_wild_prediction_does_not_pin_a_correction():
     for step in range(51):
         plan.raw_tokens_per_s = 1e9 if step == 0 else honest
         p.learn_draft(16, plan, 0.002)
-        p.learn(Proposal([], None, decode_rows=16, target_seconds=0.0116, graph=True,
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.0116, graph=True,
                          tokens=max(1, round(honest * 0.0136))))
     assert p.correction("chain 3", 4) > 0.8
 
 
 def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
     """A warm-up step (priced by lines fitted from nothing) and a step that ran eagerly only because its
-    shape had no graph yet (tsengine/graphs.py `Heat`) teach an arm's correction nothing; the same step
+    shape had no graph yet (tsengine/model/graphs.py `Heat`) teach an arm's correction nothing; the same step
     through its graph does."""
     p = trained_policy(draft_step_seconds=0.0005)
     plan = p.choose([None] * 4, [None] * 4)
@@ -186,7 +186,7 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
 
     def step(graph: bool) -> None:
         p.learn_draft(16, plan, 0.002)
-        p.learn(Proposal([], None, decode_rows=16, target_seconds=0.0116, graph=graph,
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.0116, graph=graph,
                          tokens=max(1, round(0.3 * plan.raw_tokens_per_s * 0.0136))))
 
     step(graph=False)  # a chain of 3 for all 4 requests is uniform: eager only because it was cold

@@ -1,4 +1,4 @@
-"""Features captured while the engine regenerates (tsengine/capture.py, train/regen_engine.py, train/capture.py).
+"""Features captured while the engine regenerates (tsengine/engine/capture.py, train/regen_engine.py, train/capture.py).
 
 The invariants: captured rows equal a teacher-forced forward over the finished sequence; the stored ids
 are the ids the engine ran; capture changes no answer (greedy = plain engine greedy, sampled = the same
@@ -95,7 +95,7 @@ def test_capture_survives_preemption_and_one_token_answers(tiny_dirs, tiny_model
     """Too few KV blocks for the batch: requests are preempted and recomputed, overwriting the positions
     they had captured; the features equal an unpressured run's. And a request that ends with its first
     sampled token (max_tokens 1) has exactly its prompt's rows."""
-    from tsengine.scheduler import Scheduler
+    from tsengine.engine.scheduler import Scheduler
 
     _, tok = tiny_models["llama"]
     rows = answer_rows(prompt_rows(6)[:-1], 0.8, samples=1, include_greedy=True)
@@ -130,8 +130,8 @@ def test_capture_survives_preemption_and_one_token_answers(tiny_dirs, tiny_model
 def test_capture_changes_no_answer(tiny_dirs, tiny_models, tmp_path):
     """Greedy answers equal the plain engine's greedy; sampled answers are the same draws whatever the
     batch size and chunking (keyed by regen.seed and the row id)."""
-    from tsengine.llm import LLM
-    from tsengine.sampling import SamplingParams
+    from tsengine.entrypoints.llm import LLM
+    from tsengine.sampling_params import SamplingParams
 
     model, tok = tiny_models["llama"]
     rows = answer_rows(prompt_rows(6)[:-1], 0.9, samples=2, include_greedy=True)

@@ -1,12 +1,12 @@
-"""The greedy chain keeps its own KV beside the paged draft cache (tsengine/spec/chain_kv.py): each step equals
+"""The greedy chain keeps its own KV beside the paged draft cache (tsengine/speculative/chain_kv.py): each step equals
 the same step written into the cache and read back by paged attention, and the chain writes nothing."""
 
 from __future__ import annotations
 
 import torch
 
-from tsengine.context import Context
-from tsengine.llm import LLM
+from tsengine.model.context import Context
+from tsengine.entrypoints.llm import LLM
 
 
 def _proposer(tiny_dirs, heads):

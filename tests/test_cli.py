@@ -16,7 +16,7 @@ def run(*args, env=None):
 def test_head_init_then_reference_generate(tiny_dirs, tmp_path):
     target = str(tiny_dirs["llama"])
     head = tmp_path / "head"
-    r = run("-m", "tsengine.cli", "head", "init", "--target", target, "--out", str(head),
+    r = run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", target, "--out", str(head),
             "--draft-vocab-size", "128", "--seed", "4")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(head)
@@ -35,7 +35,7 @@ def test_head_init_then_reference_generate(tiny_dirs, tmp_path):
 def test_head_init_with_token_counts(tiny_dirs, tmp_path):
     counts = tmp_path / "counts.json"
     counts.write_text(json.dumps({"300": 50, "7": 10}))
-    r = run("-m", "tsengine.cli", "head", "init", "--target", str(tiny_dirs["qwen3"]), "--out", str(tmp_path / "h"),
+    r = run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", str(tiny_dirs["qwen3"]), "--out", str(tmp_path / "h"),
             "--draft-vocab-size", "2", "--token-counts", str(counts))
     assert r.returncode == 0, r.stderr
     from safetensors.torch import load_file
@@ -45,14 +45,14 @@ def test_head_init_with_token_counts(tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["tsengine.cli", "head", "init", "--target", "/no/such/dir", "--out", "{out}"], "is not a model directory"),
-    (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "100000"],
+    (["tsengine.entrypoints.cli", "head", "init", "--target", "/no/such/dir", "--out", "{out}"], "is not a model directory"),
+    (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "100000"],
      "draft_vocab_size (100000) must be <= vocab_size (384)"),
-    (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "0"],
+    (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "0"],
      "expected a positive integer"),
-    (["tsengine.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--aux-layer-ids", "1,2"],
+    (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--aux-layer-ids", "1,2"],
      "expected three comma-separated layer ids"),
-    (["tsengine.cli", "pull", "gpt-17"], "unknown embedded target 'gpt-17'; available: smollm2-135m"),
+    (["tsengine.entrypoints.cli", "pull", "gpt-17"], "unknown embedded target 'gpt-17'; available: smollm2-135m"),
     (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x"], "draft head directory /no/head does not exist"),
     (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--topk", "2"],
      "--num-draft-tokens is required for a tree"),
@@ -70,9 +70,9 @@ def test_user_mistakes_exit_nonzero_without_traceback(tiny_dirs, args, needle, t
 def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
     target = str(tiny_dirs["llama"])
     head = tmp_path / "head"
-    assert run("-m", "tsengine.cli", "head", "init", "--target", target, "--out", str(head),
+    assert run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", target, "--out", str(head),
                "--draft-vocab-size", "128").returncode == 0
-    common = ["-m", "tsengine.cli", "generate", "--model", target, "--prompt", "the water", "--max-tokens", "12",
+    common = ["-m", "tsengine.entrypoints.cli", "generate", "--model", target, "--prompt", "the water", "--max-tokens", "12",
               "--ignore-eos"]
     plain = run(*common)
     spec = run(*common, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
@@ -115,11 +115,11 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
 ])
 def test_engine_flag_mistakes(tiny_dirs, tmp_path, args, needle):
     head = tmp_path / "head"
-    run("-m", "tsengine.cli", "head", "init", "--target", str(tiny_dirs["llama"]), "--out", str(head),
+    run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", str(tiny_dirs["llama"]), "--out", str(head),
         "--draft-vocab-size", "128")
     spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)] \
         if "--speculative-config" not in args else []
-    r = run("-m", "tsengine.cli", "generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x", *spec, *args)
+    r = run("-m", "tsengine.entrypoints.cli", "generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x", *spec, *args)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
@@ -159,7 +159,7 @@ def test_concurrent_first_pulls_both_succeed(tmp_path, monkeypatch):
 
 
 def test_served_model_name_defaults_to_a_name_not_a_path(tmp_path):
-    from tsengine.server_settings import default_model_name
+    from tsengine.entrypoints.openai.settings import default_model_name
 
     local = tmp_path / "SmolLM2-135M-Instruct"
     local.mkdir()
@@ -169,7 +169,7 @@ def test_served_model_name_defaults_to_a_name_not_a_path(tmp_path):
 
 
 def test_tune_measures_every_configuration_and_recommends_flags(tiny_dirs, heads, tmp_path, capsys):
-    from tsengine.cli import main
+    from tsengine.entrypoints.cli import main
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the water is hot and\nonce upon a time\n")
@@ -195,7 +195,7 @@ def test_tune_int8_serves_every_head_configuration_in_int8():
     """`tune --draft-quantization int8`: each head candidate's serve flags and engine config carry int8;
     plain and NGRAM carry nothing."""
     from tsengine.config import SpeculativeConfig
-    from tsengine.tune import candidates
+    from tsengine.entrypoints.tune import candidates
 
     cands = candidates("HEAD", 2, [(3, 2, 6)], True, "int8")
     heads = [c for c in cands if c.spec and c.spec["algorithm"] == "EAGLE3"]

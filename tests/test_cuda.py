@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import PROMPTS
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh)")]

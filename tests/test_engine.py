@@ -13,10 +13,10 @@ import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
 from tests.helpers import PROMPTS, first_drafts, greedy_truth, make_llm, random_workload
-from tsengine.context import Context
+from tsengine.model.context import Context
 from tsengine.errors import UserError
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 
 
 class OracleDrafts:

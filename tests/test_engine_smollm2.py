@@ -9,10 +9,10 @@ import torch
 
 from tsengine.infer.reference import compare_to_greedy, greedy_generate
 from tests.helpers import random_head
-from tsengine.context import Context
+from tsengine.model.context import Context
 from tsengine.eagle3.format import save_head
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 from tsengine.targets import encode_prompt
 
 pytestmark = pytest.mark.real_model

@@ -13,12 +13,12 @@ import torch
 
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape
 from tests.helpers import PROMPTS, greedy_truth
-from tsengine.attention import paged_attention_torch
+from tsengine.model.attention import paged_attention_torch
 from tsengine.config import SpeculativeConfig
-from tsengine.context import Context
+from tsengine.model.context import Context
 from tsengine.errors import UserError
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 
 SHAPES = [(3, 2, 6), (4, 3, 10), (2, 4, 7)]  # (steps, topk, num_draft_tokens)
 
@@ -151,7 +151,7 @@ def attend(kernel, q, k_cache, v_cache, ctx, scale):
     short prefix still spans several key tiles."""
     if kernel == "torch":
         return paged_attention_torch(q, k_cache, v_cache, ctx, scale)
-    from tsengine.kernels.paged_attention import _decode, _prefill
+    from tsengine.model.kernels.paged_attention import _decode, _prefill
 
     if kernel == "decode":
         return _decode(q, k_cache, v_cache, ctx, scale, block_n=16)
@@ -168,7 +168,7 @@ def test_tree_window_attention_matches_dense_loop(kernel):
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(24, 4, 2, 16, generator=g), torch.randn(24, 4, 2, 16, generator=g)
     parents = torch.tensor([[0, 0, 1, 0, 3, 3], [0, 0, 0, 1, 2, 4]])
-    from tsengine.spec.tree import ancestor_bits
+    from tsengine.speculative.tree import ancestor_bits
 
     anc = ancestor_bits(parents, 3)
     depths = torch.tensor([[0, 1, 2, 1, 2, 2], [0, 1, 1, 2, 2, 3]])
@@ -248,7 +248,7 @@ def test_support_check_lists_every_blocker(tiny_dirs, tiny_models, tmp_path):
 def test_full_64_node_windows(kernel, dtype):
     """The largest windows (64 nodes: bit 63 is the sign bit of the int64 mask) behind long, shuffled
     prefixes, two requests plus a decode token, random trees; against the float64 loop."""
-    from tsengine.spec.tree import ancestor_bits
+    from tsengine.speculative.tree import ancestor_bits
 
     g = torch.Generator().manual_seed(7)
     n, bs = 64, 8

@@ -16,7 +16,7 @@ from tsengine.infer import eval as ev
 from tsengine.infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
 from tests.helpers import random_head
 from tsengine.eagle3.format import save_head
-from tsengine.spec.eagle3 import Eagle3Proposer
+from tsengine.speculative.eagle3 import Eagle3Proposer
 from tsengine.targets import eos_ids
 
 SHAPES = [(3, 1, 4), (3, 2, 6)]  # a chain and a tree
@@ -128,7 +128,7 @@ def test_oracle_passes_on_the_engine_output(setup):
 
 
 def test_oracle_raises_on_a_changed_engine_token(setup, monkeypatch):
-    from tsengine.llm import LLM
+    from tsengine.entrypoints.llm import LLM
 
     inner = LLM.generate
 
@@ -230,9 +230,9 @@ def test_a_quantized_eval_is_checked_against_the_head_the_engine_serves(setup, m
     the head's weights rounded the same way (a copy: the caller's head is untouched), and the two agree."""
     import copy
 
-    from tsengine import llm as llm_module
+    from tsengine.entrypoints import llm as llm_module
     from tsengine.infer import reference
-    from tsengine.linear import round_weights
+    from tsengine.model.linear import round_weights
 
     seen, served = [], []
 

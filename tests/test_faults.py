@@ -1,4 +1,4 @@
-"""Per-request fault isolation in the engine (tsengine/faults.py, issue 14).
+"""Per-request fault isolation in the engine (tsengine/engine/faults.py, issue 14).
 
 A request whose data makes a step fail stops alone with finish_reason "error"; every other request gets
 exactly the tokens of a run without it. Engine-wide failures (out of memory) still stop everything.
@@ -13,9 +13,9 @@ import torch
 
 from tests.helpers import PROMPTS, make_llm
 from tsengine.errors import UserError
-from tsengine.faults import EngineFault
-from tsengine.sampling import SamplingParams
-from tsengine.spec.verify import NON_FINITE
+from tsengine.engine.faults import EngineFault
+from tsengine.sampling_params import SamplingParams
+from tsengine.sample.verify import NON_FINITE
 
 OTHERS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True),

@@ -1,4 +1,4 @@
-"""Compiled step graphs (tsengine/graphs.py) against the eager engine: the same tokens for every method, and
+"""Compiled step graphs (tsengine/model/graphs.py) against the eager engine: the same tokens for every method, and
 padding that never touches a real row. The rest of the suite runs eagerly (tests/conftest.py); `make
 test-compiled` runs the engine's losslessness tests compiled."""
 
@@ -11,12 +11,12 @@ import torch
 
 from tests.helpers import PROMPTS, random_workload
 from tests.tiny import make_target
-from tsengine.context import Context
-from tsengine.graph_compiler import compile_step
-from tsengine.graphs import Heat, Shape
-from tsengine.kv_cache import scratch_slot
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.model.context import Context
+from tsengine.model.graph_compiler import compile_step
+from tsengine.model.graphs import Heat, Shape
+from tsengine.cache.kv_cache import scratch_slot
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -207,8 +207,7 @@ def test_random_workload_compiled_with_preemption(tiny_dirs, heads):
 def test_a_step_that_compiles_reports_no_time(tiny_dirs):
     """The adaptive policy fits costs to step times: the step whose graph compiled (seconds, not
     milliseconds) reports none, and the steps after it do."""
-    from tsengine import graphs
-
+    from tsengine.model import graphs
     llm = _llm(tiny_dirs, False, max_num_seqs=3)  # a batch bucket of its own: its graph is new in this process
     e, seen = llm.engine, []
     propose = e.proposer.propose
@@ -227,10 +226,10 @@ def test_a_step_that_compiles_reports_no_time(tiny_dirs):
 
 
 def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, heads):
-    """Adaptive speculation pads the windows of requests it does not draft for (`PAD`, tsengine/spec/
+    """Adaptive speculation pads the windows of requests it does not draft for (`PAD`, tsengine/speculative/
     adaptive.py) so a chain step stays uniform: forced plans of one request drafting from the head and two
     padded run through the target's graph once hot, and the greedy tokens are plain decoding's."""
-    from tsengine.spec.adaptive import PAD, Arm, Plan
+    from tsengine.speculative.adaptive.policy import PAD, Arm, Plan
 
     prompts, params = PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in _llm(tiny_dirs, True).generate(prompts, params)]

@@ -140,8 +140,8 @@ def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, qua
     """`accelerate` runs q/k/v as one matmul and gate/up as one: every output the same bits as the separate
     served matmuls give, for few rows (our kernel) and many (oneDNN)."""
     from tsengine.eagle3.head import DraftLayer
-    from tsengine.kernels import rows_linear
-    from tsengine.linear import accelerate
+    from tsengine.model.kernels import rows_linear
+    from tsengine.model.linear import accelerate
 
     if quantization != "none" and not rows_linear.available():
         pytest.skip(f"{quantization} needs the few-row kernel")
@@ -161,7 +161,7 @@ def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, qua
 
 
 def test_a_served_head_moved_after_fusing_drops_its_stale_copies(tiny_models):
-    from tsengine.linear import accelerate
+    from tsengine.model.linear import accelerate
 
     model, _ = tiny_models["llama"]
     head = accelerate(random_head(model, seed=2, draft_vocab_size=200), "none")

@@ -8,9 +8,9 @@ import pytest
 
 from tests.helpers import PROMPTS, greedy_truth
 from tsengine.errors import UserError
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
-from tsengine.spec.ngram import NgramIndex, propose
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
+from tsengine.speculative.ngram import NgramIndex, propose
 
 
 def test_propose_longest_then_latest_match():

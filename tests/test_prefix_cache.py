@@ -1,4 +1,4 @@
-"""Prefix caching (tsengine/prefix_cache.py): outputs with the cache equal outputs without it, the draft
+"""Prefix caching (tsengine/cache/prefix_cache.py): outputs with the cache equal outputs without it, the draft
 cache of a hit is what recomputing would give (and a key without the token after the block is caught),
 n > 1 samples prefill once, and block accounting stays exact under preemption and aborts."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.helpers import random_workload, serving
-from tsengine import prefix_cache
+from tsengine.cache import prefix_cache
 from tsengine.config import EngineConfig
-from tsengine.engine import Engine
-from tsengine.engine_args import add_engine_args, engine_config
-from tsengine.kv_cache import BlockManager
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.engine.core import Engine
+from tsengine.entrypoints.engine_args import add_engine_args, engine_config
+from tsengine.cache.kv_cache import BlockManager
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 
 SYSTEM = list(range(100, 123))  # a 23-token "system prompt": 5 full blocks of 4 and a partial one
 FIRST_TURN = [SYSTEM + [5, 6, 7], SYSTEM + [8, 9], SYSTEM + [5, 6, 7, 1, 2, 3, 4, 5], [7, 8, 9]]

@@ -1,11 +1,11 @@
-"""The few-row matmul kernel (tsengine/kernels/rows_linear.cpp): right, batch-invariant, and what Linear uses."""
+"""The few-row matmul kernel (tsengine/model/kernels/rows_linear.cpp): right, batch-invariant, and what Linear uses."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tsengine.kernels import rows_linear
-from tsengine.linear import Linear
+from tsengine.model.kernels import rows_linear
+from tsengine.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(not rows_linear.available(), reason="needs g++ and an AVX2/FMA CPU")
 
@@ -84,7 +84,7 @@ def test_compiled_graph_calls_the_kernel():
 
 # ---- int8 weights (the draft head's --speculative-draft-model-quantization int8) ------------------------------
 def _int8(out_features: int, in_features: int, seed: int):
-    from tsengine.linear import quantize_int8
+    from tsengine.model.linear import quantize_int8
 
     w = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
     q, scale = quantize_int8(w)
@@ -125,7 +125,7 @@ def test_accelerate_int8_makes_the_module_the_int8_model_on_every_path(monkeypat
     dequantized values: one model, whatever the batch."""
     from torch import nn
 
-    from tsengine.linear import accelerate
+    from tsengine.model.linear import accelerate
 
     calls = []
     real = rows_linear.rows_linear_int8
@@ -147,7 +147,7 @@ def test_accelerate_int8_makes_the_module_the_int8_model_on_every_path(monkeypat
 def test_compiled_graph_calls_the_int8_kernel():
     from torch import nn
 
-    from tsengine.linear import accelerate
+    from tsengine.model.linear import accelerate
 
     lin = accelerate(nn.Linear(64, 48), "int8")
     x, r = torch.randn(4, 64), torch.randn(4, 48)
@@ -165,7 +165,7 @@ def test_compiled_graph_calls_the_int8_kernel():
 @pytest.mark.parametrize("out_features", [7, 130])
 def test_bf16_panels_give_the_bits_of_fp32_panels_of_the_rounded_weights(rows, out_features):
     """bf16 is a storage format here, not arithmetic: widened in registers, summed as fp32."""
-    from tsengine.linear import round_bf16
+    from tsengine.model.linear import round_bf16
 
     g = torch.Generator().manual_seed(rows * 100 + out_features)
     x, w = torch.randn(rows, 301, generator=g), torch.randn(out_features, 301, generator=g)
@@ -193,7 +193,7 @@ def test_accelerate_bf16_makes_the_module_the_rounded_model_on_every_path(monkey
     same rounded values in fp32."""
     from torch import nn
 
-    from tsengine.linear import accelerate
+    from tsengine.model.linear import accelerate
 
     lin = nn.Linear(64, 48)
     original = lin.weight.clone()
@@ -214,7 +214,7 @@ def test_accelerate_bf16_makes_the_module_the_rounded_model_on_every_path(monkey
 def test_compiled_graph_calls_the_kernel_on_bf16_panels():
     from torch import nn
 
-    from tsengine.linear import accelerate
+    from tsengine.model.linear import accelerate
 
     lin = accelerate(nn.Linear(64, 48), "bf16")
     x, r = torch.randn(4, 64), torch.randn(4, 48)
@@ -241,7 +241,7 @@ def test_weights_that_are_bf16_values_are_read_as_bf16_to_the_same_bits():
 def test_projections_fused_from_bf16_and_fp32_weights_run_on_fp32_panels():
     """One fused matmul over a bf16-exact and an fp32 projection (a partly rounded checkpoint) keeps each
     one's values: the stacked copy is fp32, never a concatenation of mismatched stored copies."""
-    from tsengine.linear import _stacked
+    from tsengine.model.linear import _stacked
 
     g = torch.Generator().manual_seed(6)
     exact, fp32 = torch.randn(32, 64, generator=g).bfloat16().float(), torch.randn(16, 64, generator=g)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tests.helpers import chi2_pvalue
-from tsengine.kv_cache import BlockManager
-from tsengine.sampling import RowParams, SamplingParams, filtered_logprobs, sample, uniform
+from tsengine.cache.kv_cache import BlockManager
+from tsengine.sample.sampling import RowParams, filtered_logprobs, sample, uniform
+from tsengine.sampling_params import SamplingParams
 
 
 def _rp(n, **kw):
@@ -96,7 +97,7 @@ def test_block_manager_refcounts():
 def test_uniforms_stay_inside_the_open_interval():
     """Every 32-bit hash maps strictly inside (0, 1) (the top of the range once rounded to 1.0, which made
     Gumbel noise +inf), and a large-vocab draw never picks a filtered id."""
-    from tsengine.sampling import unit
+    from tsengine.sample.sampling import unit
 
     top = unit(torch.arange(2**23, dtype=torch.long) << 9 | 0x1FF)  # every value the top 23 bits can take
     assert float(top.min()) > 0 and float(top.max()) < 1 and torch.isfinite(-torch.log(-torch.log(top))).all()

@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from tests.helpers import post, serving, slow_steps, wait_idle
-from tsengine.async_engine import AsyncEngine
+from tsengine.entrypoints.openai.async_engine import AsyncEngine
 from tsengine.config import EngineConfig, SpeculativeConfig
 from tsengine.errors import UserError
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
 
 KEY, MODEL, CONTEXT = "sk-test", "tiny-llama", 128
 PROMPT = "the water is hot and"

@@ -1,6 +1,6 @@
 """Sampling rules that keep the target's distribution: χ² against the exact distribution, per rule.
 
-Two levels. The rules alone (`tsengine/spec/verify.py`) on synthetic p and q, where every branch can be
+Two levels. The rules alone (`tsengine/sample/verify.py`) on synthetic p and q, where every branch can be
 counted exactly, including the chain's acceptance rate 1 − TV(p, q). Then the whole engine on a tiny target
 (384-token vocab): 20,000 requests with distinct seeds, the first three generated tokens against the exact
 joint distribution computed from HF's logits. The engine tests draft with oracles that make acceptance
@@ -17,10 +17,10 @@ import torch
 
 from tests.helpers import PROMPTS, DraftRewriter, chi2_pvalue
 from tsengine.errors import UserError
-from tsengine.llm import LLM
-from tsengine.sampling import SamplingParams
-from tsengine.spec.drafts import Drafts
-from tsengine.spec.verify import multiround_draws, rejection_draws
+from tsengine.entrypoints.llm import LLM
+from tsengine.sampling_params import SamplingParams
+from tsengine.speculative.drafts import Drafts
+from tsengine.sample.verify import multiround_draws, rejection_draws
 
 N_SAMPLES, T, PROMPT = 20000, 1.0, [5, 17, 33]
 

@@ -142,7 +142,7 @@ def test_only_train_rows_extended_and_cache_reused(tmp_path, monkeypatch):
             super().__init__(_unique)
             made.append(target)
 
-    monkeypatch.setattr("tsengine.llm.LLM", FakeLLM)
+    monkeypatch.setattr("tsengine.entrypoints.llm.LLM", FakeLLM)
     train0, val0 = split(builtin_prompts())
     r = _recipe(n=8)
     train, val = _source_splits(r, tmp_path)
@@ -169,7 +169,7 @@ def test_needs_builtin_source(tmp_path):
 def test_real_engine_reproducible(tiny_dirs, monkeypatch):
     """The tiny target writes noise, so filters are off here: this checks the engine path (chat template,
     keyed seeds, batching) gives the same texts twice and different ones under another seed."""
-    from tsengine.llm import LLM
+    from tsengine.entrypoints.llm import LLM
 
     monkeypatch.setattr(syn, "reject_reason", lambda text, shots=(), truncated=False: None if text else "empty")
     monkeypatch.setattr(syn, "CATEGORIES", ("chat", "advice"))

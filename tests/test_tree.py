@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from tsengine.spec.tree import Tree, TreeBuilder, ancestor_bits, ranked_topk
+from tsengine.speculative.tree import Tree, TreeBuilder, ancestor_bits, ranked_topk
 
 V = 7
 

@@ -17,9 +17,9 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed: the triton attention backend cannot run")
 
 from tests.oracles import dense_attention  # noqa: E402
-from tsengine.attention import paged_attention, paged_attention_torch, write_kv  # noqa: E402
-from tsengine.context import Context  # noqa: E402
-from tsengine.kernels.paged_attention import _decode, _prefill, paged_attention_triton  # noqa: E402
+from tsengine.model.attention import paged_attention, paged_attention_torch, write_kv  # noqa: E402
+from tsengine.model.context import Context  # noqa: E402
+from tsengine.model.kernels.paged_attention import _decode, _prefill, paged_attention_triton  # noqa: E402
 
 GARBAGE = 3e4  # finite in fp16/bf16, but any unmasked garbage key or value would blow the output up
 
@@ -98,7 +98,7 @@ def test_other_block_sizes(block_size):
 
 
 def test_dispatch_and_public_entry_points():
-    """Default dispatch (and the backend switch in tsengine.attention) with the default tile sizes, on a
+    """Default dispatch (and the backend switch in tsengine.model.attention) with the default tile sizes, on a
     prefill-sized batch and a decode/verify-only one; q is a strided view, as after a fused QKV split."""
     for specs, seed in ((MIXED, 4), ([(6, 4), (0, 1), (21, 2)], 5)):
         q, k_cache, v_cache, ctx = make_batch(specs, block_size=4, nh=4, nkv=2, d=16, dtype=torch.float32, seed=seed)

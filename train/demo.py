@@ -58,8 +58,8 @@ def main() -> int:
 def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
     import time
 
-    from tsengine.llm import LLM
-    from tsengine.sampling import SamplingParams
+    from tsengine.entrypoints.llm import LLM
+    from tsengine.sampling_params import SamplingParams
     from tsengine.targets import encode_prompt
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -73,7 +73,7 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
         llm = LLM(str(target), speculative_config=spec, max_num_seqs=4, enable_prefix_caching=False)
         ids = encode_prompt(llm.tokenizer, PROMPT)
         # warm-up to full length: it compiles the step graphs of every context size the timed run reaches
-        # (tsengine/graphs.py; ~30-50 s each on 2 cores the first time, seconds from torch's cache after)
+        # (tsengine/model/graphs.py; ~30-50 s each on 2 cores the first time, seconds from torch's cache after)
         llm.generate([ids], params)
         t0 = time.perf_counter()
         out = llm.generate([ids], params)[0]

@@ -2,7 +2,7 @@
 
 HF `generate` pads a batch to its longest prompt and runs until its longest answer ends; the engine
 admits a new conversation the moment one finishes, so every step runs full. With `capture`, the last
-reply's request keeps the target's features of every position it forwarded (tsengine/capture.py), and
+reply's request keeps the target's features of every position it forwarded (tsengine/engine/capture.py), and
 each finished conversation goes straight into the offline feature store with the exact token ids the
 target ran (train/data.captured_example): no second target pass.
 
@@ -60,7 +60,7 @@ class EngineRegenerator:
                  seed: int = 0, max_length: int | None = None, capture_layer_ids: tuple[int, ...] | None = None,
                  **engine_args):
         from tsengine.config import EngineConfig
-        from tsengine.engine import Engine
+        from tsengine.engine.core import Engine
 
         self.tok, self.max_new_tokens, self.top_p, self.seed, self.max_length = tok, max_new_tokens, top_p, seed, max_length
         self.capture = bool(capture_layer_ids)
@@ -151,7 +151,7 @@ class EngineRegenerator:
 
     def _admit(self, conv: _Conversation) -> None:
         """Turn `conv.turn`'s request: the conversation so far, rendered with the generation prompt."""
-        from tsengine.sampling import SamplingParams
+        from tsengine.sampling_params import SamplingParams
 
         text = render(self.tok, conv.messages[:conv.slots[conv.turn]], add_generation_prompt=True)
         conv.prompt_ids, conv.answer = self.tok(text, add_special_tokens=False)["input_ids"], []

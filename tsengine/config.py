@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tsengine.errors import UserError, fail_if
 
-# How the engine may store the EAGLE3 head's weights (tsengine/linear.py runs them; one list for every flag)
+# How the engine may store the EAGLE3 head's weights (tsengine/model/linear.py runs them; one list for every flag)
 DraftQuantization = Literal["none", "bf16", "int8"]
 
 ALGORITHMS = ("EAGLE3", "NGRAM")
@@ -94,7 +94,7 @@ class SpeculativeConfig(_Strict):
     adaptive: bool = Field(False, description=(
         "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
         "lookup or none) and the configured tree, from the measured acceptance and step cost "
-        "(tsengine/spec/adaptive.py)"))
+        "(tsengine/speculative/adaptive/policy.py)"))
 
     @property
     def rule(self) -> str:
@@ -189,7 +189,7 @@ class SpeculativeConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    """The descriptions are the command line's help too (tsengine/engine_args.py derives the flags)."""
+    """The descriptions are the command line's help too (tsengine/entrypoints/engine_args.py derives the flags)."""
 
     model: str = Field(description="target: HF directory, embedded name (smollm2-135m) or hub id")
     tokenizer: str | None = Field(None, description="tokenizer directory (default: the model's)")
@@ -208,13 +208,13 @@ class EngineConfig(_Strict):
     seed: int = 0
     debug_checks: bool = Field(False, description="run the block/scheduler invariants every step")
     enforce_eager: bool = Field(False, description=(
-        "run every step eagerly: no compiled step graphs (tsengine/graphs.py; also TSENGINE_ENFORCE_EAGER=1)"))
+        "run every step eagerly: no compiled step graphs (tsengine/model/graphs.py; also TSENGINE_ENFORCE_EAGER=1)"))
     enable_prefix_caching: bool = Field(True, description=(
         "reuse the KV blocks of prompt prefixes already computed, in the target's and the draft's cache "
-        "(tsengine/prefix_cache.py); --no-enable-prefix-caching turns it off"))
+        "(tsengine/cache/prefix_cache.py); --no-enable-prefix-caching turns it off"))
     capture_layer_ids: tuple[int, ...] | None = Field(None, description=(
         "the target layers whose outputs capturing requests keep (training data at engine speed: "
-        "tsengine/capture.py)"))
+        "tsengine/engine/capture.py)"))
     speculative: SpeculativeConfig | None = None
 
     @staticmethod

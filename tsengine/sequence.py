@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from typing import TYPE_CHECKING
 
-from tsengine.sampling import SamplingParams
+from tsengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tsengine.capture import CaptureBuffer
-    from tsengine.spec.drafts import Drafts
-    from tsengine.spec.ngram import NgramIndex
+    from tsengine.engine.capture import CaptureBuffer
+    from tsengine.speculative.drafts import Drafts
+    from tsengine.speculative.ngram import NgramIndex
 
 _ids = itertools.count()
 
@@ -42,7 +42,7 @@ class Sequence:
     table: list[int] = field(default_factory=list)
     num_cached: int = 0
     drafts: "Drafts | None" = None
-    capture: "CaptureBuffer | None" = None  # target features kept by position (tsengine/capture.py)
+    capture: "CaptureBuffer | None" = None  # target features kept by position (tsengine/engine/capture.py)
     finish_reason: str | None = None
     num_preempted: int = 0
     verify_steps: int = 0

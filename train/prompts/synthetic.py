@@ -202,7 +202,7 @@ def generate(target: str, seed: int, n: int, llm=None, log=print,
     """N filtered, deduplicated prompts spread over the categories, and a report (kept, dropped by
     reason, attempts, wall time, tokens/s). One batched engine call per round; a further round only when
     filtering left fewer than N. `rejected` collects the dropped texts, for tuning the filters."""
-    from tsengine.sampling import SamplingParams
+    from tsengine.sampling_params import SamplingParams
 
     builtins = builtin_prompts()
     pool: dict[str, list[str]] = {}
@@ -213,7 +213,7 @@ def generate(target: str, seed: int, n: int, llm=None, log=print,
     for row in builtins:
         near.add(row["messages"][0]["content"])
     if llm is None:
-        from tsengine.llm import LLM
+        from tsengine.entrypoints.llm import LLM
 
         llm = LLM(target, seed=seed)
     tok = llm.tokenizer
