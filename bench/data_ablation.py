@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from recipe_runs import run_recipe, row
+from recipe_runs import row, run_recipe
 
 
 def arms(answers: int) -> dict[str, list[str]]:

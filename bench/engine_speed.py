@@ -51,7 +51,8 @@ def val_prompts_text(n: int) -> list[str]:
 
     rows = sorted((json.loads(line) for line in open(_val_file(), encoding="utf-8")), key=lambda r: str(r["id"]))
     step = max(1, len(rows) // n)
-    return [r["messages"][0]["content"] if "messages" in r else r["conversations"][0]["value"] for r in rows[::step][:n]]
+    return [r["messages"][0]["content"] if "messages" in r else r["conversations"][0]["value"]
+            for r in rows[::step][:n]]
 
 
 def hf_row(path, prompts, n) -> tuple[float, list[list[int]]]:
@@ -135,18 +136,20 @@ def main() -> None:
     plain_name = next(iter(rows))
     prompts = val_prompts(rows[plain_name].tokenizer, args.prompts)
     if args.random_head:
+        from transformers import AutoConfig
+
         from tsengine.eagle3.config import Eagle3Config
         from tsengine.eagle3.format import save_head
         from tsengine.eagle3.head import Eagle3Head
         from tsengine.eagle3.vocab import vocab_map
-        from transformers import AutoConfig
 
         cfg = Eagle3Config.for_target(AutoConfig.from_pretrained(path), draft_vocab_size=4096)
         head = Eagle3Head(cfg)
         head.init_weights(0)
         head.set_vocab_map(*vocab_map(cfg.vocab_size, cfg.draft_vocab_size, None))
         rows["eagle3-random"] = LLM(path, max_num_seqs=1, enable_prefix_caching=False, speculative_config={
-            "method": "eagle3", "model": str(save_head(head, tempfile.mkdtemp())), "num_speculative_tokens": args.steps})
+            "method": "eagle3", "model": str(save_head(head, tempfile.mkdtemp())),
+            "num_speculative_tokens": args.steps})
     longest = max(prompts, key=len)
     # Prefix caching is off in every row: repeats resend the same prompts, and HF pays their prefill each time.
     for llm in rows.values():  # warm-up: first calls allocate, pick kernels and compile every context bucket
@@ -166,7 +169,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in results.items() if v}
     mode = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, seeded"
     print(f"\n{len(prompts)} prompts x {args.max_tokens} new tokens, batch 1, {mode}, "
-          f"median of {args.repeats} (tok/s, and each share of the time split); torch threads {torch.get_num_threads()}")
+          f"median of {args.repeats} (tok/s, and each share of the time split); "
+          f"torch threads {torch.get_num_threads()}")
     print("| row | tok/s | vs HF | vs plain | τ | time split forward / commit / draft |")
     print("| --- | --- | --- | --- | --- | --- |")
     for k, v in med.items():

@@ -103,7 +103,8 @@ def main() -> None:
     t0 = time.perf_counter()
     target = write_target(work / "target", args.layers)
     head = write_head(target, work / "head")
-    print(f"random 8B-shape target ({args.layers} layers) and head written in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"random 8B-shape target ({args.layers} layers) and head written in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
     rows = {"plain": None,
             "eagle3 chain (3,1,4)": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
             "eagle3 tree (5,8,32)": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 5,

@@ -14,7 +14,7 @@ and prints each one's wall time against the first's (issue 16's "4-row verify â‰
 and each one's profile beside the first's.
 
 `--thread` runs the loop on a second thread while the main thread keeps the pool it loaded the model
-with (the OpenMP pool effect in docs/benchmarks.md).
+with (the OpenMP pool effect in docs/benchmarks-journal.md, "Server throughput (issue 4)").
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 
 def main() -> None:
+    from tsengine.entrypoints.llm import LLM
     from tsengine.model.attention import paged_attention, write_kv
     from tsengine.model.context import Context
-    from tsengine.entrypoints.llm import LLM
     from tsengine.model.llama import rms_norm, rope_matrices
     from tsengine.targets import resolve
 
@@ -100,8 +100,8 @@ def compiled_profile(a) -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from tsengine.model.context import Context
     from tsengine.entrypoints.llm import LLM
+    from tsengine.model.context import Context
     from tsengine.targets import resolve
 
     r = LLM(resolve(a.target), max_num_seqs=1, enforce_eager=False).engine.runner
@@ -135,7 +135,7 @@ def compiled_profile(a) -> None:
         per_op[n] = {_op_name(e.key): (e.count / a.forwards, e.self_cpu_time_total / a.forwards / 1e3)
                      for e in prof.key_averages()}
     top = sorted(per_op[first], key=lambda k: -per_op[first][k][1])[:14]
-    print(f"| op (compiled graph, self time) | calls per forward | "
+    print("| op (compiled graph, self time) | calls per forward | "
           + " | ".join(f"ms, {n} row(s)" for n in steps) + " |\n|" + " --- |" * (2 + len(steps)))
     for key in top:
         ms = " | ".join(f"{per_op[n].get(key, (0, 0.0))[1]:.2f}" for n in steps)

@@ -20,11 +20,11 @@ PREFIX = 150
 
 
 def main() -> None:
+    from tsengine.cache.kv_cache import scratch_slot
+    from tsengine.entrypoints.llm import LLM
     from tsengine.model.context import Context
     from tsengine.model.graph_compiler import compile_step
     from tsengine.model.graphs import MIN_CONTEXT, static_step
-    from tsengine.cache.kv_cache import scratch_slot
-    from tsengine.entrypoints.llm import LLM
     from tsengine.targets import resolve
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -198,12 +198,14 @@ def _(url):
     bodies = [b"{not json", b"", b"[]", b"null", b'"x"', b'{"prompt": 5}', b'{"prompt": null}', b'{"prompt": [-1]}',
               b'{"prompt": [1e40]}', b'{"prompt": "x", "max_tokens": 1e400}', b'{"prompt": "x", "n": 1000}',
               b'{"prompt": "x", "seed": 99999999999999999999}', b'{"prompt": "x", "temperature": NaN}',
-              b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]}',
+              b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", '
+              b'"p", "q"]}',
               b'{"prompt": "x", "stop_token_ids": [99999999999]}', b'{"prompt": "x", "top_p": -1}',
               b'{"prompt": "x", "logit_bias": {"5": 100}}', b'{"prompt": "x", "stream_options": 3}',
               b'{"messages": "hi"}', b'{"messages": [{"role": "user"}], "max_tokens": 0}',
               b'{"prompt": "x", "min_p": 2}', b'{"prompt": "x", "top_k": -2}',
-              b'{"prompt": "\\u0000", "max_tokens": "1"}', b'{"prompt": "x", "user": 5}', b'{"prompt": "x", "model": 1}']
+              b'{"prompt": "\\u0000", "max_tokens": "1"}', b'{"prompt": "x", "user": 5}',
+              b'{"prompt": "x", "model": 1}']
     bad = [b for b in bodies if not (400 <= (r := post(url, "/v1/completions", content=b)).status_code < 500
                                       and is_error_shape(r))]
     return not bad, f"{len(bodies) - len(bad)}/{len(bodies)} ok" + (f"; first bad: {bad[0][:60]!r}" if bad else "")

@@ -40,7 +40,8 @@ def row(out: Path) -> dict:
     bench = out / "bench_wall.json"
     return {"rows": data["rows"], "trained_on_tokens": data["loss_tokens"], "tokens": data["tokens"],
             "tau_chain": ev[shapes[0]]["tau"], "tau_tree": ev[shapes[1]]["tau"] if len(shapes) > 1 else None,
-            "shapes": shapes, "acc": [train.get(f"val_acc_{k}") for k in range(summary["recipe"]["train"]["ttt_steps"])],
+            "shapes": shapes,
+            "acc": [train.get(f"val_acc_{k}") for k in range(summary["recipe"]["train"]["ttt_steps"])],
             "train_wall_s": train.get("wall_s"), "eval_wall_s": ev.get("wall_s"),
             "regen_wall_s": sum(v["wall_s"] for v in regen.values()) if regen else None,
             "synthetic_wall_s": json.loads(synthetic.read_text())["wall_s"] if synthetic.exists() else 0.0,

@@ -23,8 +23,8 @@ SHAPES = [(3, 1, 4), (4, 4, 16), (6, 8, 32)]
 
 
 def main() -> None:
-    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
     from tsengine.eagle3.format import load_head
+    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
     from tsengine.targets import encode_prompt, eos_ids, load_target
 
     p = argparse.ArgumentParser()
@@ -51,8 +51,8 @@ def main() -> None:
         taus = [o.tau for o in outs]
         agree = {compare_to_greedy(model, pr, o.tokens, g).status for pr, o, g in zip(prompts, outs, greedy)}
         toks = sum(len(o.tokens) for o in outs)
-        print(f"{str((s, k, n)):>14} {statistics.mean(taus):6.2f} {toks / dt:7.1f} {toks / dt / (n_plain / t_plain):8.2f}x "
-              f"{','.join(sorted(agree)):>10}")
+        print(f"{str((s, k, n)):>14} {statistics.mean(taus):6.2f} {toks / dt:7.1f} "
+              f"{toks / dt / (n_plain / t_plain):8.2f}x {','.join(sorted(agree)):>10}")
 
 
 if __name__ == "__main__":

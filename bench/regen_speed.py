@@ -44,11 +44,11 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true")
     args = p.parse_args()
 
+    from tsengine.eagle3.config import default_aux_layer_ids
+    from tsengine.targets import load_target, resolve
     from tsengine.train.features import ShardWriter
     from tsengine.train.regen_engine import EngineRegenerator
     from tsengine.train.regenerate import Regenerator
-    from tsengine.eagle3.config import default_aux_layer_ids
-    from tsengine.targets import load_target, resolve
 
     path = str(resolve(args.target))
     model, tok = load_target(path)

@@ -24,7 +24,6 @@ import statistics
 import time
 
 import torch
-
 from engine_speed import engine_row, val_prompts  # noqa: E402  (this directory is on sys.path)
 
 

@@ -191,8 +191,8 @@ def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
                                       if v > before.get(k, 0)}
                 raw.append({"server": s["name"], "level": c, "round": r, **res})
                 tau = f"{res['tau']:.2f}" if res["tau"] else "-"
-                print(f"| {s['name']} | {c} | {r} | {res['tok_s']:.1f} | {tau} | {res['wall']:.1f} | {res['compiles']} |",
-                      flush=True)
+                print(f"| {s['name']} | {c} | {r} | {res['tok_s']:.1f} | {tau} | {res['wall']:.1f} | "
+                      f"{res['compiles']} |", flush=True)
     return raw
 
 

@@ -199,7 +199,8 @@ def raise_on_mismatch(results: dict) -> None:
            f"relative logit gap {e['rel_gap']:.2e}, decisive)"
            for key, r in results.items() for e in r.get("oracle", {}).get("prompts", []) if e["status"] == "mismatch"]
     if bad:
-        raise OracleMismatch("the engine's greedy output differs from the reference generator's (tsengine.infer.reference):\n"
+        raise OracleMismatch("the engine's greedy output differs from the reference generator's "
+                             "(tsengine.infer.reference):\n"
                              + "\n".join(f"  - {b}" for b in bad))
 
 

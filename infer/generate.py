@@ -29,8 +29,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
     from tsengine.eagle3.format import load_head
+    from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
     from tsengine.targets import encode_prompt, eos_ids, load_target
 
     if args.max_new_tokens < 1:
@@ -48,7 +48,8 @@ def run(args) -> int:
               "text": tok.decode(out.tokens, skip_special_tokens=True)}
     verdict = None
     if args.check_greedy:
-        verdict = compare_to_greedy(model, prompt, out.tokens, greedy_generate(model, prompt, args.max_new_tokens, stop))
+        verdict = compare_to_greedy(model, prompt, out.tokens,
+                                    greedy_generate(model, prompt, args.max_new_tokens, stop))
         result["greedy_check"] = {"status": verdict.status, "position": verdict.position, "rel_gap": verdict.rel_gap}
     if args.json:
         print(json.dumps(result))

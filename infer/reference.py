@@ -159,7 +159,8 @@ class ReferenceSpeculator:
             positions = list(range(p)) + [p - 1 + depth[c] for c in expanded]
             tree_parents = [expanded.index(parent[c]) if parent[c] >= 0 else -1 for c in expanded]
             mask = prefix_tree_mask(p, tree_parents).to(dev)
-            out, logits, _ = head(ids[None], torch.cat(hid)[None], torch.tensor([positions], device=dev), mask[None, None])
+            out, logits, _ = head(ids[None], torch.cat(hid)[None], torch.tensor([positions], device=dev),
+                                  mask[None, None])
             return out[0], logits[0]
 
         out, logits = run()

@@ -24,14 +24,14 @@ import uvicorn
 from tsengine.eagle3.config import Eagle3Config
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.eagle3.vocab import vocab_map
-from tsengine.infer.reference import DraftTree, compare_to_greedy
-from tsengine.entrypoints.llm import LLM
-from tsengine.sampling_params import SamplingParams
-from tsengine.entrypoints.openai.async_engine import AsyncEngine
 from tsengine.engine.core import Engine
-from tsengine.entrypoints.openai.guards import header_deadline_protocol
+from tsengine.entrypoints.llm import LLM
 from tsengine.entrypoints.openai.app import build_app
+from tsengine.entrypoints.openai.async_engine import AsyncEngine
+from tsengine.entrypoints.openai.guards import header_deadline_protocol
 from tsengine.entrypoints.openai.settings import ServerSettings
+from tsengine.infer.reference import DraftTree, compare_to_greedy
+from tsengine.sampling_params import SamplingParams
 
 
 # ---- heads ----------------------------------------------------------------------------------------------------
@@ -171,7 +171,8 @@ def write_rows(path: Path, n: int, seed: int, with_answers: bool) -> Path:
         for i in range(n):
             msgs = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))}]
             if with_answers:
-                msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 20)))})
+                msgs.append({"role": "assistant",
+                             "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 20)))})
             f.write(json.dumps({"id": f"r{seed}-{i}", "messages": msgs}) + "\n")
     return path
 

@@ -1,5 +1,5 @@
-"""Adaptive speculation in the engine (tsengine/speculative/adaptive/policy.py, adaptive_proposer.py, issue 15): lossless
-under any decisions (plain, chains, trees, prompt lookup, pads, per-request sources), the server and the
+"""Adaptive speculation in the engine (tsengine/speculative/adaptive/policy.py, adaptive_proposer.py, issue 15):
+lossless under any decisions (plain, chains, trees, prompt lookup, pads, per-request sources), the server and the
 config, and the head's lazy extension. The policy's own choices: tests/test_adaptive_policy.py."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from prometheus_client import generate_latest
 
 from tests.helpers import PROMPTS, make_llm, serving
 from tsengine.config import EngineConfig, SpeculativeConfig
-from tsengine.errors import UserError
 from tsengine.entrypoints.llm import LLM
 from tsengine.entrypoints.openai.prometheus import PrometheusMetrics
+from tsengine.errors import UserError
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan, stats
@@ -52,8 +52,8 @@ def random_plans(policy: AdaptivePolicy, rng: random.Random):
 @pytest.mark.parametrize("blocks", [None, 40], ids=["roomy", "preempting"])
 def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     """Random plans forced through the test hook (plain, chains 1..3, a 3x2x6 tree; per request the head,
-    prompt lookup, its last token repeated or nothing), a mixed greedy/seeded batch, chunked prefill and (40 blocks) preemption:
-    every token is plain decoding's."""
+    prompt lookup, its last token repeated or nothing), a mixed greedy/seeded batch, chunked prefill and (40 blocks)
+    preemption: every token is plain decoding's."""
     kw = {"num_kv_blocks": blocks, "max_model_len": 128} if blocks else {}
     want = [o.outputs[0].token_ids for o in make_llm(tiny_dirs, **kw).generate(PROMPTS, PARAMS)]
     llm = adaptive_llm(tiny_dirs, heads["llama"], tree=True, **kw)
@@ -74,9 +74,11 @@ def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     assert got == want
     assert {"plain", "chain 1", "chain 3", "tree 3x2x6"} <= set(policy.chosen), policy.chosen
     assert caught[0] > 1, caught
-    assert policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0 and policy.drafted_by[PAD] > 0, policy.drafted_by
+    assert (policy.drafted_by["ngram"] > 0 and policy.drafted_by["eagle3"] > 0
+            and policy.drafted_by[PAD] > 0), policy.drafted_by
     stats = llm.engine.stats
-    assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0, (stats.num_drafts, stats.drafted_per_pos, policy.drafted_by, caught)
+    assert stats.num_drafts > 0 and stats.drafted_per_pos[0] > stats.drafted_per_pos[2] > 0, (
+        stats.num_drafts, stats.drafted_per_pos, policy.drafted_by, caught)
     assert bool(preempted) == bool(blocks), len(preempted)
 
 
@@ -90,8 +92,8 @@ def test_the_policy_runs_unforced_and_stays_lossless(tiny_dirs, heads):
     text = generate_latest(PrometheusMetrics(llm.engine).registry).decode()
     for family in ("spec_decode_draft_length", "spec_decode_acceptance_estimate{position=\"0\",source=\"ngram\"}",
                    "spec_decode_tree_tokens_estimate{shape=\"3x2x6\"}", "spec_decode_cost_model_seconds",
-                   "spec_decode_policy_steps_total", "spec_decode_policy_requests_total", "spec_decode_prediction_ratio",
-                   "spec_decode_num_drafted_tokens_per_pos_total"):
+                   "spec_decode_policy_steps_total", "spec_decode_policy_requests_total",
+                   "spec_decode_prediction_ratio", "spec_decode_num_drafted_tokens_per_pos_total"):
         assert f"tsengine:{family}" in text, family
     assert "policy: chose" in p.describe()
 
@@ -249,11 +251,14 @@ def test_the_heads_catch_up_holds_what_extending_every_step_holds(tiny_dirs, hea
     for on, off in zip(on_seqs, off_seqs):
         n = min(len(on.tokens), len(off.tokens))
         assert on.tokens[:n] == off.tokens[:n]  # lossless: the same tokens, committed at other steps
-        assert not off.spec_stats.head_gap and off.draft_cached >= off.num_cached - 4, (off.draft_cached, off.num_cached)
+        assert not off.spec_stats.head_gap and off.draft_cached >= off.num_cached - 4, (off.draft_cached,
+                                                                                         off.num_cached)
         upto = min(on.draft_cached, off.draft_cached)
         assert upto > len(off.tokens) // 2
+        # the same rows computed in other batch shapes: fp32 summation order differs by kernel (1.1e-5 seen on
+        # an AVX-512 Xeon); a wrong or missing row is off by orders of magnitude more
         torch.testing.assert_close(draft_kv_rows(off_engine, off, upto), draft_kv_rows(on_engine, on, upto),
-                                   atol=1e-5, rtol=1e-4)
+                                   atol=5e-5, rtol=1e-4)
 
 
 def test_the_catch_up_is_timed_apart_from_the_plan():

@@ -1,6 +1,7 @@
-"""Adaptive speculation's policy alone (tsengine/speculative/adaptive/policy.py, tsengine/speculative/adaptive/estimates.py, issue 15): the
-fitted costs and acceptance it measures, and the choices it makes from them, on policies fed by hand. The
-engine-level tests (losslessness under any decisions, the head's lazy extension) are tests/test_adaptive.py."""
+"""Adaptive speculation's policy alone (tsengine/speculative/adaptive/policy.py,
+tsengine/speculative/adaptive/estimates.py, issue 15): the fitted costs and acceptance it measures, and the choices
+it makes from them, on policies fed by hand. The engine-level tests (losslessness under any decisions, the head's
+lazy extension) are tests/test_adaptive.py."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
+from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
 from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan
 from tsengine.speculative.adaptive.proposer import known_remaining
 from tsengine.speculative.drafts import Proposal
-from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
+
 
 def test_linear_cost_recovers_a_line():
     model = LinearCost(("base", "per_row"), forget=1.0)
@@ -87,7 +89,8 @@ def test_each_request_gets_the_source_that_pays_for_it():
     assert plan.arm.steps >= 2 and plan.sources == ["ngram", PAD, PAD, PAD], plan
     p.graphs_seen = False
     assert p.choose(stats, found).sources == ["ngram", "plain", "plain", "plain"]
-    assert p.price(Arm(3), ["ngram", PAD, PAD, PAD], stats, found) < p.price(Arm(3), ["ngram"] + ["plain"] * 3, stats, found)
+    assert p.price(Arm(3), ["ngram", PAD, PAD, PAD], stats, found) < p.price(Arm(3), ["ngram"] + ["plain"] * 3,
+                                                                             stats, found)
     rejection = trained_policy(draft_step_seconds=0.0005, accepted=0, ngram=False)
     assert all(PAD not in plan.sources for plan in rejection.candidates(stats, [None] * 4))
 
@@ -205,7 +208,8 @@ def test_only_steps_that_draft_from_the_head_pay_for_it():
     a request with a hole in the head's cache never gets the head."""
     cheap, dear = trained_policy(draft_step_seconds=0.0005), trained_policy(draft_step_seconds=0.05)
     plain = dear.choose([None] * 4, [None] * 4)
-    assert plain.arm == Arm(0) and plain.raw_tokens_per_s == pytest.approx(cheap.price(Arm(0), ["plain"] * 4, [None] * 4))
+    assert plain.arm == Arm(0) and plain.raw_tokens_per_s == pytest.approx(cheap.price(Arm(0), ["plain"] * 4,
+                                                                                       [None] * 4))
     st = PerRequest(3)
     for _ in range(200):
         st.observe("ngram", 3, 3)

@@ -32,7 +32,8 @@ def prompt_rows(n: int, seed: int = 0) -> list[dict]:
     rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(
         rng.randint(3, 40)))}]} for i in range(n)]
     # one multi-turn row: the earlier reply is regenerated too, the last one is captured
-    rows.append({"id": "multi", "messages": [{"role": "user", "content": "the water"}, {"role": "assistant", "content": "x"},
+    rows.append({"id": "multi", "messages": [{"role": "user", "content": "the water"},
+                                            {"role": "assistant", "content": "x"},
                                             {"role": "user", "content": "how long two people"}]})
     return rows
 
@@ -190,12 +191,12 @@ def test_captured_example_refuses_a_template_that_rewrites_the_reply(tiny_models
 def test_training_from_captured_equals_training_from_dumped(tiny_dirs, tiny_models, tmp_path):
     """The same prepared rows, features captured vs dumped by a second pass: the TTT loss and its
     gradient agree (the captured store has no row for the last token, which no loss term reads)."""
+    from tests.helpers import random_head
     from tsengine.train import dump_features
+    from tsengine.train.batching import collate
     from tsengine.train.capture import _finalize
     from tsengine.train.prepare_data import load_prepared
-    from tsengine.train.batching import collate
     from tsengine.train.trainer import TTTModel
-    from tests.helpers import random_head
 
     model, tok = tiny_models["llama"]
     rows = answer_rows(prompt_rows(6)[:-1], 0.0)
@@ -251,8 +252,8 @@ def test_engine_regeneration_resumes_and_matches_hf(tiny_models, tiny_dirs, tmp_
 
 
 def test_answer_rows_and_their_recipe_rules(tmp_path):
-    from tsengine.train.recipe import validate
     from tsengine.errors import UserError
+    from tsengine.train.recipe import validate
 
     rows = [{"id": "a", "messages": []}, {"id": "b", "messages": []}]
     assert [(r["id"], r["temperature"]) for r in answer_rows(rows, 0.0)] == [("a", 0.0), ("b", 0.0)]
@@ -295,9 +296,11 @@ def _pipeline(tiny_dirs, tmp_path: Path, name: str, nproc: int = 1, **regen) -> 
 
     repo = Path(__file__).resolve().parent.parent
     for split, n in (("rows", 10), ("val", 3)):
-        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompt_rows(n, seed=len(split))[:-1]))
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                         for r in prompt_rows(n, seed=len(split))[:-1]))
     recipe = {"target": str(tiny_dirs["llama"]), "output_dir": str(tmp_path / name),
-              "data": {"source": str(tmp_path / "rows.jsonl"), "val_source": str(tmp_path / "val.jsonl"), "max_length": 128},
+              "data": {"source": str(tmp_path / "rows.jsonl"), "val_source": str(tmp_path / "val.jsonl"),
+                       "max_length": 128},
               "regen": {"batch_size": 8, "max_new_tokens": 16, **regen},
               "vocab": {"draft_vocab_size": 160}, "features": {"mode": "offline", "dtype": "bfloat16"},
               "train": {"ttt_steps": 2, "epochs": 1, "batch_tokens": 256, "max_steps": 3},

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from tsengine.model.context import Context
 from tsengine.entrypoints.llm import LLM
+from tsengine.model.context import Context
 
 
 def _proposer(tiny_dirs, heads):
@@ -42,7 +42,8 @@ def test_each_chain_step_equals_writing_its_kv_into_the_cache(tiny_dirs, heads):
         h = eagle._layer(ids[s], h, pos + 1 + s, Context.one_each(tables, pos + 1 + s, eagle.block_size))
         want.append(h)
     for s, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"chain step {s}: {m}")  # summed in another order
+        # summed in another order
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=lambda m: f"chain step {s}: {m}")
 
 
 def test_the_greedy_chain_drafts_what_the_cache_writing_chain_drafts(tiny_dirs, heads):

@@ -35,8 +35,8 @@ def test_head_init_then_reference_generate(tiny_dirs, tmp_path):
 def test_head_init_with_token_counts(tiny_dirs, tmp_path):
     counts = tmp_path / "counts.json"
     counts.write_text(json.dumps({"300": 50, "7": 10}))
-    r = run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", str(tiny_dirs["qwen3"]), "--out", str(tmp_path / "h"),
-            "--draft-vocab-size", "2", "--token-counts", str(counts))
+    r = run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", str(tiny_dirs["qwen3"]),
+            "--out", str(tmp_path / "h"), "--draft-vocab-size", "2", "--token-counts", str(counts))
     assert r.returncode == 0, r.stderr
     from safetensors.torch import load_file
 
@@ -45,18 +45,22 @@ def test_head_init_with_token_counts(tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["tsengine.entrypoints.cli", "head", "init", "--target", "/no/such/dir", "--out", "{out}"], "is not a model directory"),
-    (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "100000"],
+    (["tsengine.entrypoints.cli", "head", "init", "--target", "/no/such/dir", "--out", "{out}"],
+     "is not a model directory"),
+    (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}",
+      "--draft-vocab-size", "100000"],
      "draft_vocab_size (100000) must be <= vocab_size (384)"),
     (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--draft-vocab-size", "0"],
      "expected a positive integer"),
     (["tsengine.entrypoints.cli", "head", "init", "--target", "{llama}", "--out", "{out}", "--aux-layer-ids", "1,2"],
      "expected three comma-separated layer ids"),
     (["tsengine.entrypoints.cli", "pull", "gpt-17"], "unknown embedded target 'gpt-17'; available: smollm2-135m"),
-    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x"], "draft head directory /no/head does not exist"),
+    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x"],
+     "draft head directory /no/head does not exist"),
     (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--topk", "2"],
      "--num-draft-tokens is required for a tree"),
-    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x", "--num-draft-tokens", "9"],
+    (["tsengine.infer.generate", "--target", "{llama}", "--draft", "/no/head", "--prompt", "x",
+      "--num-draft-tokens", "9"],
      "needs num_draft_tokens = steps + 1 = 4"),
 ])
 def test_user_mistakes_exit_nonzero_without_traceback(tiny_dirs, args, needle, tmp_path):
@@ -72,8 +76,8 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
     head = tmp_path / "head"
     assert run("-m", "tsengine.entrypoints.cli", "head", "init", "--target", target, "--out", str(head),
                "--draft-vocab-size", "128").returncode == 0
-    common = ["-m", "tsengine.entrypoints.cli", "generate", "--model", target, "--prompt", "the water", "--max-tokens", "12",
-              "--ignore-eos"]
+    common = ["-m", "tsengine.entrypoints.cli", "generate", "--model", target, "--prompt", "the water",
+              "--max-tokens", "12", "--ignore-eos"]
     plain = run(*common)
     spec = run(*common, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
                "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3")
@@ -92,8 +96,8 @@ def test_engine_generate_with_speculation(tiny_dirs, tmp_path):
     eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)]
     sampled = [*common, "--temperature", "0.8", "--seed-sample", "4"]
     for rule in (["--speculative-num-steps", "2", "--enable-speculative-sampling"],
-                 ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6",
-                  "--spec-tree-sampling", "multiround"]):
+                 ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                  "--speculative-num-draft-tokens", "6", "--spec-tree-sampling", "multiround"]):
         first, again = run(*sampled, *eagle, *rule), run(*sampled, *eagle, *rule)
         assert first.returncode == 0 and first.stdout == again.stdout and first.stdout.strip(), first.stderr
 
@@ -119,7 +123,8 @@ def test_engine_flag_mistakes(tiny_dirs, tmp_path, args, needle):
         "--draft-vocab-size", "128")
     spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head)] \
         if "--speculative-config" not in args else []
-    r = run("-m", "tsengine.entrypoints.cli", "generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x", *spec, *args)
+    r = run("-m", "tsengine.entrypoints.cli", "generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x",
+            *spec, *args)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 

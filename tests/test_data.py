@@ -134,7 +134,8 @@ def test_local_jsonl_and_parquet(tmp_path, tiny_models):
     import datasets
 
     _, tok = tiny_models["llama"]
-    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(3)]
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(3)]
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d.parquet"))
     for name in ("d.jsonl", "d.parquet"):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tsengine.train.trainer import _deepspeed_clipping
 from tsengine.errors import UserError
+from tsengine.train.trainer import _deepspeed_clipping
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the water one number how long two people call first who may down side been now find".split()

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.helpers import PROMPTS, first_drafts, make_llm
+from tsengine.entrypoints.llm import LLM
 from tsengine.errors import UserError
 from tsengine.infer.reference import ReferenceSpeculator, SpecShape
 from tsengine.model.kernels import rows_linear
 from tsengine.model.linear import round_weights
-from tsengine.entrypoints.llm import LLM
 from tsengine.sampling_params import SamplingParams
 
 needs_kernel = pytest.mark.skipif(not rows_linear.available(), reason="needs g++ and an AVX2/FMA CPU")

@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 
-from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
 from tests.helpers import PROMPTS, first_drafts, greedy_truth, make_llm, random_workload
-from tsengine.model.context import Context
-from tsengine.errors import UserError
 from tsengine.entrypoints.llm import LLM
+from tsengine.errors import UserError
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy
+from tsengine.model.context import Context
 from tsengine.sampling_params import SamplingParams
 
 
@@ -149,7 +149,8 @@ def test_random_workload_with_preemption_keeps_outputs_and_blocks(tiny_dirs, hea
 
 # ---- validation --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, msg", [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "num_draft_tokens": 5}, "must equal speculative_num_steps + 1 = 4"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "num_draft_tokens": 5},
+     "must equal speculative_num_steps + 1 = 4"),
     ({"method": "medusa", "model": "x"}, "not supported"),
     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 11}, "num_steps"),
     ({"method": "eagle3", "model": "x", "colour": 1}, "'colour' is unknown"),
@@ -165,7 +166,8 @@ def test_flag_and_json_conflict_is_an_error():
 
     with pytest.raises(UserError, match="conflicts"):
         SpeculativeConfig.resolve("EAGLE3", "/h", 3, config_json='{"num_speculative_tokens": 4}')
-    assert SpeculativeConfig.resolve("EAGLE3", "/h", 3, config_json='{"num_speculative_tokens": 3}').num_draft_tokens == 4
+    assert SpeculativeConfig.resolve("EAGLE3", "/h", 3,
+                                     config_json='{"num_speculative_tokens": 3}').num_draft_tokens == 4
 
 
 def test_bad_requests(tiny_dirs):

@@ -7,11 +7,11 @@ import warnings
 import pytest
 import torch
 
-from tsengine.infer.reference import compare_to_greedy, greedy_generate
 from tests.helpers import random_head
-from tsengine.model.context import Context
 from tsengine.eagle3.format import save_head
 from tsengine.entrypoints.llm import LLM
+from tsengine.infer.reference import compare_to_greedy, greedy_generate
+from tsengine.model.context import Context
 from tsengine.sampling_params import SamplingParams
 from tsengine.targets import encode_prompt
 

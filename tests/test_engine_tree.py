@@ -11,13 +11,13 @@ import re
 import pytest
 import torch
 
-from tsengine.infer.reference import ReferenceSpeculator, SpecShape
 from tests.helpers import PROMPTS, greedy_truth
-from tsengine.model.attention import paged_attention_torch
 from tsengine.config import SpeculativeConfig
-from tsengine.model.context import Context
-from tsengine.errors import UserError
 from tsengine.entrypoints.llm import LLM
+from tsengine.errors import UserError
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape
+from tsengine.model.attention import paged_attention_torch
+from tsengine.model.context import Context
 from tsengine.sampling_params import SamplingParams
 
 SHAPES = [(3, 2, 6), (4, 3, 10), (2, 4, 7)]  # (steps, topk, num_draft_tokens)
@@ -177,7 +177,8 @@ def test_tree_window_attention_matches_dense_loop(kernel):
     ctx.set_trees(torch.tensor([[7 + i for i in range(6)], [13 + i for i in range(6)]]), torch.tensor([9, 7]),
                   depths, anc)
     assert ctx.positions[7:13].tolist() == [9 + d for d in depths[0].tolist()]  # position follows depth
-    assert ctx.slot_mapping[7:13].tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2]  # slot: node
+    # slot: node
+    assert ctx.slot_mapping[7:13].tolist() == [3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2]
     q = torch.randn(ctx.num_tokens, 4, 16, generator=g)
     out = attend(kernel, q, k_cache, v_cache, ctx, 0.25)
     torch.testing.assert_close(out.double(), dense_tree_attention(q, k_cache, v_cache, ctx, 0.25), atol=1e-5, rtol=1e-5)
@@ -264,7 +265,8 @@ def test_full_64_node_windows(kernel, dtype):
     runs = [(perm[:12], 30, n), (perm[12:26], 45, n), (perm[26:30], 20, 1)]
     ctx = Context.build(runs, bs, "cpu")
     ctx.set_trees(torch.stack([torch.arange(n), n + torch.arange(n)]), torch.tensor([30, 45]), depths, anc)
-    k_cache, v_cache = torch.randn(40, bs, 2, 16, generator=g).to(dtype), torch.randn(40, bs, 2, 16, generator=g).to(dtype)
+    k_cache, v_cache = (torch.randn(40, bs, 2, 16, generator=g).to(dtype),
+                        torch.randn(40, bs, 2, 16, generator=g).to(dtype))
     q = torch.randn(ctx.num_tokens, 4, 16, generator=g).to(dtype)
     out = attend(kernel, q, k_cache, v_cache, ctx, 0.25)
     tol = 1e-5 if dtype == torch.float32 else 3e-2

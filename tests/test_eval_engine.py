@@ -12,10 +12,10 @@ import warnings
 import pytest
 import torch
 
-from tsengine.infer import eval as ev
-from tsengine.infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
 from tests.helpers import random_head
 from tsengine.eagle3.format import save_head
+from tsengine.infer import eval as ev
+from tsengine.infer.reference import DraftTree, ReferenceSpeculator, SpecShape, greedy_generate
 from tsengine.speculative.eagle3 import Eagle3Proposer
 from tsengine.targets import eos_ids
 
@@ -200,7 +200,8 @@ def test_cli_bad_shape_syntax_and_backend_are_argparse_errors(setup, capsys):
 
 def test_pipeline_eval_is_sized_to_a_quick_run(setup, tmp_path):
     from tsengine.train import recipe
-    from tsengine.train.evaluation import QUICK_EVAL, evaluate as _eval
+    from tsengine.train.evaluation import QUICK_EVAL
+    from tsengine.train.evaluation import evaluate as _eval
 
     root = tmp_path / "run"
     save_head(setup["head"], root / "export")

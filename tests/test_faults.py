@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.helpers import PROMPTS, make_llm
-from tsengine.errors import UserError
 from tsengine.engine.faults import EngineFault
-from tsengine.sampling_params import SamplingParams
+from tsengine.errors import UserError
 from tsengine.sample.verify import NON_FINITE
+from tsengine.sampling_params import SamplingParams
 
 OTHERS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True),

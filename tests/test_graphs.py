@@ -11,11 +11,11 @@ import torch
 
 from tests.helpers import PROMPTS, random_workload
 from tests.tiny import make_target
+from tsengine.cache.kv_cache import scratch_slot
+from tsengine.entrypoints.llm import LLM
 from tsengine.model.context import Context
 from tsengine.model.graph_compiler import compile_step
 from tsengine.model.graphs import Heat, Shape
-from tsengine.cache.kv_cache import scratch_slot
-from tsengine.entrypoints.llm import LLM
 from tsengine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -236,7 +236,8 @@ def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, h
     spec = {"method": "auto", "model": str(heads["llama"]), "num_speculative_tokens": 1}
     llm = _llm(tiny_dirs, False, spec, max_num_seqs=3)
     e = llm.engine
-    e.proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(1), ["eagle3"] + [PAD] * (len(st) - 1))
+    e.proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(1),
+                                                                                ["eagle3"] + [PAD] * (len(st) - 1))
     graph_steps, propose = [], e.proposer.propose
 
     def spy(proposal):

@@ -19,7 +19,8 @@ def test_default_aux_layers_are_sglangs_capture_points():
 def test_aux_features_are_the_outputs_of_the_named_layers(tiny_models):
     model, _ = tiny_models["llama"]
     captured = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: captured.__setitem__(k, o[0] if isinstance(o, tuple) else o))
+    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: captured.__setitem__(k, o[0] if isinstance(o, tuple)
+                                                                                  else o))
              for k, layer in enumerate(model.model.layers)]
     ids = torch.randint(0, 300, (1, 7))
     out = model(ids, output_hidden_states=True)
@@ -43,7 +44,8 @@ def naive_step(head, emb, h, positions):
     """EAGLE-3's layer written out by hand: the definition the module must equal."""
     c, sd = head.config, {k: v.float() for k, v in head.state_dict().items()}
     eps, t = c.rms_norm_eps, emb.shape[0]
-    x = torch.cat([_rms(emb, sd["midlayer.input_layernorm.weight"], eps), _rms(h, sd["midlayer.hidden_norm.weight"], eps)], -1)
+    x = torch.cat([_rms(emb, sd["midlayer.input_layernorm.weight"], eps),
+                   _rms(h, sd["midlayer.hidden_norm.weight"], eps)], -1)
     q = (x @ sd["midlayer.self_attn.q_proj.weight"].T).view(t, c.num_attention_heads, c.head_dim).transpose(0, 1)
     k = (x @ sd["midlayer.self_attn.k_proj.weight"].T).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)
     v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)
@@ -58,7 +60,8 @@ def naive_step(head, emb, h, positions):
     o = (scores.softmax(-1) @ v).transpose(0, 1).reshape(t, -1) @ sd["midlayer.self_attn.o_proj.weight"].T
     a = h + o  # residual is the incoming hidden state
     n = _rms(a, sd["midlayer.post_attention_layernorm.weight"], eps)
-    mlp = (torch.nn.functional.silu(n @ sd["midlayer.mlp.gate_proj.weight"].T) * (n @ sd["midlayer.mlp.up_proj.weight"].T))
+    mlp = (torch.nn.functional.silu(n @ sd["midlayer.mlp.gate_proj.weight"].T)
+           * (n @ sd["midlayer.mlp.up_proj.weight"].T))
     out = a + mlp @ sd["midlayer.mlp.down_proj.weight"].T
     return out, _rms(out, sd["norm.weight"], eps) @ sd["lm_head.weight"].T
 
@@ -156,7 +159,8 @@ def test_the_served_head_fuses_its_projections_to_the_same_bits(tiny_models, qua
         cos, sin = head.rope(torch.arange(rows)[None], hidden)
         attn = torch.randn(1, head.config.num_attention_heads, rows, head.config.head_dim)
         with torch.no_grad():
-            got, want = ((*m.midlayer.qkv(emb, hidden, cos, sin), m.midlayer.finish(attn, hidden)) for m in (head, separate))
+            got, want = ((*m.midlayer.qkv(emb, hidden, cos, sin), m.midlayer.finish(attn, hidden))
+                         for m in (head, separate))
         assert all(torch.equal(g, w) for g, w in zip(got, want)), rows
 
 

@@ -1,17 +1,32 @@
-"""The package graph flows one way: engine <- infer <- train.
+"""The package graph flows one way, between the three halves and inside the engine.
 
-The engine (`tsengine` without its `train` and `infer` subpackages) is what a server installs and runs, so
-it may not reach into training or evaluation, not even lazily inside a function; the reference generator
-and evaluation (`tsengine.infer`) may use the engine but not training; training may use both. Read from
-the source (every import statement, relative ones resolved), not from what happens to be imported at
-run time, so an import behind a rarely taken branch counts too.
+Between halves: engine <- infer <- train. The engine (`tsengine` without its `train` and `infer`
+subpackages) is what a server installs and runs, so it may not reach into training or evaluation, not even
+lazily inside a function; the reference generator and evaluation (`tsengine.infer`) may use the engine but
+not training; training may use both.
+
+Inside the engine, the folder list is the architecture (docs/design/layout.md), and each group imports only
+the groups below it:
+
+    entrypoints (cli, llm, tune; openai/: the server)
+      -> engine (the step, scheduler, runner)
+        -> speculative (proposers)  -> sample (draws, the verifier)
+        -> model (the target's forward, graphs, kernels), eagle3 (the head), cache (KV blocks, prefix cache)
+          -> the records at the top (config, errors, sequence, sampling_params, targets, conversations)
+
+and the server (`entrypoints/openai/`) reaches the engine only through `tsengine.engine`'s public names.
+An import made only for type annotations (under `if TYPE_CHECKING:`) does not count inside the engine: it
+runs nothing, and a hand-off record may name the type of a layer above it. Imports are read from the
+source (every import statement, relative ones resolved), not from what happens to be imported at run
+time, so an import behind a rarely taken branch counts too.
 """
 
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = {"tsengine": 0, "tsengine.infer": 1, "tsengine.train": 2}  # a layer may import its own and lower ones
@@ -37,10 +52,26 @@ def _layer(module: str) -> int:
     return max(v for root, v in LAYERS.items() if module == root or module.startswith(root + "."))
 
 
-def _imports(module: str, path: Path, known: set[str]):
-    """(line, imported module) for every import in the file, at any depth."""
+def _typing_only_lines(tree: ast.AST) -> set[int]:
+    """Lines of the statements under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (getattr(node.test, "id", None) == "TYPE_CHECKING"
+                                         or getattr(node.test, "attr", None) == "TYPE_CHECKING"):
+            for stmt in node.body:
+                lines.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    return lines
+
+
+def _imports(module: str, path: Path, known: set[str], runtime_only: bool = False):
+    """(line, imported module) for every import in the file, at any depth (`runtime_only`: except those
+    under `if TYPE_CHECKING:`)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _typing_only_lines(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name
@@ -61,7 +92,8 @@ def _violations() -> list[str]:
     modules = _modules()
     # tests/ and bench/ sit above every layer, but with the repo root on sys.path (pytest's pythonpath, a
     # script's own directory) a bare `train` or `infer` would import a second copy of a module there too
-    outside = {f"{f.parent.name}.{f.stem}": f for d in ("tests", "bench") for f in sorted((REPO / d).glob("*.py"))}
+    outside = {".".join(f.relative_to(REPO).with_suffix("").parts): f
+               for d in ("tests", "bench") for f in sorted((REPO / d).rglob("*.py"))}
     bad = []
     for module, path in {**modules, **outside}.items():
         where = f"{path.relative_to(REPO)} ({module})"
@@ -78,6 +110,136 @@ def _violations() -> list[str]:
 def test_imports_flow_one_way():
     bad = _violations()
     assert not bad, "imports against the layers (engine <- infer <- train):\n" + "\n".join(bad)
+
+
+# The engine's groups and what each may import besides itself. "records" are the top-level modules; the
+# package's own __init__ (the public API, `from tsengine import LLM`) may import any group.
+RECORDS = {"config", "errors", "sequence", "sampling_params", "targets", "conversations"}
+GROUPS = {
+    "records": set(),
+    "cache": {"records"},
+    "eagle3": {"records"},
+    "model": {"cache", "records"},
+    "sample": {"cache", "records"},
+    "speculative": {"sample", "model", "eagle3", "cache", "records"},
+    "engine": {"speculative", "sample", "model", "eagle3", "cache", "records"},
+    "entrypoints": {"engine", "speculative", "sample", "model", "eagle3", "cache", "records"},
+}
+SERVER = "tsengine.entrypoints.openai"
+ENGINE_PUBLIC = "tsengine.engine"  # its __init__: the names a server may use
+
+
+def _group(module: str) -> str | None:
+    """The engine group of a tsengine module (None: the package itself, or train/infer)."""
+    parts = module.split(".")
+    if parts[0] != "tsengine" or len(parts) == 1 or parts[1] in ("train", "infer"):
+        return None
+    if len(parts) == 2 and parts[1] in RECORDS:
+        return "records"
+    if parts[1] not in GROUPS:
+        raise AssertionError(f"{module}: in no group of tests/test_layers.py GROUPS (add it where it belongs)")
+    return parts[1]
+
+
+def _group_violations(modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for module, path in modules.items():
+        group = _group(module)
+        if group is None:
+            continue
+        for line, target in _imports(module, path, set(modules), runtime_only=True):
+            to = _group(target) if target.startswith("tsengine.") else None
+            where = f"{path.relative_to(path.parents[len(module.split('.')) - 1])}:{line}"
+            if to is not None and to != group and to not in GROUPS[group]:
+                bad.append(f"{where} imports {target}: {group} may import {sorted(GROUPS[group])}, not {to}")
+            if (module == SERVER or module.startswith(SERVER + ".")) and to is not None and to not in (
+                    "records", "entrypoints") and target != ENGINE_PUBLIC:
+                bad.append(f"{where} imports {target}: the server reaches the engine through `{ENGINE_PUBLIC}` "
+                           f"(its public names) only")
+    return bad
+
+
+def test_the_engine_groups_import_downward():
+    engine = {m: f for m, f in _modules().items() if _group(m) is not None}
+    bad = _group_violations(engine)
+    assert not bad, "imports against the engine's groups:\n" + "\n".join(bad)
+
+
+def test_every_module_of_the_engine_is_in_a_group():
+    """A new folder or top-level module must be placed in GROUPS, or its imports would go unchecked."""
+    for module in _modules():
+        _group(module)  # raises for a module in no group
+
+
+def test_the_top_level_stays_small():
+    """The folder list is the architecture: the records, the package's API and the groups' folders."""
+    top = sorted(f.name for f in (REPO / "tsengine").glob("*.py"))
+    assert len(top) <= 12, top
+    assert {f.stem for f in (REPO / "tsengine").glob("*.py")} - {"__init__"} == RECORDS
+
+
+def _write_package(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    out = {}
+    for module, text in files.items():
+        f = root.joinpath(*module.split(".")).with_suffix(".py")
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+        out[module] = f
+    return out
+
+
+def test_each_group_rule_fails_on_a_violation(tmp_path):
+    """Each rule, shown failing: a layer importing upward (also lazily), the server reaching past the
+    engine's public names, and a record importing a group; an annotation-only import passes."""
+    mods = _write_package(tmp_path, {
+        "tsengine.model.attention": "def f():\n    from tsengine.engine.runner import ModelRunner\n",
+        "tsengine.cache.kv_cache": "from tsengine.entrypoints.cli import main\n",
+        "tsengine.entrypoints.openai.prometheus": "from tsengine.model.graphs import compiles\n"
+                                                  "from tsengine.engine.core import Engine\n"
+                                                  "from tsengine.engine import Engine\n"
+                                                  "from tsengine.errors import UserError\n",
+        "tsengine.sequence": "from tsengine.sample.sampling import sample\n",
+        "tsengine.speculative.drafts": "from typing import TYPE_CHECKING\n"
+                                       "if TYPE_CHECKING:\n    from tsengine.engine.scheduler import Scheduled\n",
+        "tsengine.sample.verify": "from tsengine.speculative.drafts import Drafts\n",
+    })
+    bad = sorted(b.split(":")[0] + ": " + b.split(" imports ")[1].split(":")[0] for b in _group_violations(mods))
+    assert bad == sorted([
+        "tsengine/model/attention.py: tsengine.engine.runner",
+        "tsengine/cache/kv_cache.py: tsengine.entrypoints.cli",
+        "tsengine/entrypoints/openai/prometheus.py: tsengine.model.graphs",  # server past the engine
+        "tsengine/entrypoints/openai/prometheus.py: tsengine.engine.core",  # server past the engine
+        "tsengine/sequence.py: tsengine.sample.sampling",
+        "tsengine/sample/verify.py: tsengine.speculative.drafts",
+    ]), bad
+
+
+METHOD_NAMES = {"EAGLE3", "NGRAM", "eagle3", "ngram"}
+
+
+def _method_branches(path: Path) -> list[str]:
+    """Where a file compares with a speculation method's name or asks a proposer what it has (`hasattr`)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in METHOD_NAMES
+                                                 for c in [node.left, *node.comparators]):
+            bad.append(f"{path.name}:{node.lineno} compares with a method's name")
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("hasattr", "getattr") and any(
+                isinstance(a, ast.Attribute) and a.attr == "proposer" for a in node.args):
+            bad.append(f"{path.name}:{node.lineno} asks the proposer what it has")
+    return bad
+
+
+def test_the_engine_names_no_method(tmp_path):
+    """The engine and its runner drive any proposer the same way: methods are chosen in `speculative/`
+    (`load_draft_model`, `build_proposer`), and what only some proposers have is an optional method of the
+    `Proposer` protocol. Shown failing on the two forms it forbids."""
+    bad = [b for f in sorted((REPO / "tsengine" / "engine").glob("*.py")) for b in _method_branches(f)]
+    assert not bad, bad
+    f = tmp_path / "runner.py"
+    f.write_text("if spec.algorithm == 'EAGLE3':\n    pass\nif hasattr(self.proposer, 'policy'):\n    pass\n")
+    assert _method_branches(f) == ["runner.py:1 compares with a method's name",
+                                   "runner.py:3 asks the proposer what it has"]
 
 
 def test_every_import_form_is_read(tmp_path):

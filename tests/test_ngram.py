@@ -7,14 +7,15 @@ import random
 import pytest
 
 from tests.helpers import PROMPTS, greedy_truth
-from tsengine.errors import UserError
 from tsengine.entrypoints.llm import LLM
+from tsengine.errors import UserError
 from tsengine.sampling_params import SamplingParams
 from tsengine.speculative.ngram import NgramIndex, propose
 
 
 def test_propose_longest_then_latest_match():
-    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, 1, 3) == [7, 5, 2]  # "5 2 3" never occurred; "2 3" did, latest at 5
+    # "5 2 3" never occurred; "2 3" did, latest at 5
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3, 1, 3) == [7, 5, 2]
     assert propose([4, 1, 2, 8, 1, 2], 2, 1, 4) == [8, 1]
     assert propose([5, 6, 7], 3, 1, 3) is None  # nothing repeats
     assert propose([1, 2, 1], 4, 1, 2) == [2, 1]  # a short continuation is still a proposal
@@ -32,7 +33,8 @@ def test_the_index_answers_as_the_search_does():
         index = NgramIndex(n_min, n_max)
         for end in range(1, len(tokens) + 1):
             if rng.random() < 0.5:  # the index catches up over several appended tokens too
-                assert index.lookup(tokens[:end], 3) == propose(tokens[:end], 3, n_min, n_max), (tokens[:end], n_min, n_max)
+                assert index.lookup(tokens[:end], 3) == propose(tokens[:end], 3, n_min, n_max), (tokens[:end], n_min,
+                                                                                                  n_max)
 
 
 def ngram_llm(tiny_dirs, kind="llama", steps=3, topk=None, **kw):

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
 from tests.helpers import assert_lossless, write_rows
 from tsengine.eagle3.format import load_head
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
 from tsengine.targets import encode_prompt, eos_ids
 
 REPO = Path(__file__).resolve().parent.parent

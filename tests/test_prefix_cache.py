@@ -12,10 +12,10 @@ import torch
 
 from tests.helpers import random_workload, serving
 from tsengine.cache import prefix_cache
+from tsengine.cache.kv_cache import BlockManager
 from tsengine.config import EngineConfig
 from tsengine.engine.core import Engine
 from tsengine.entrypoints.engine_args import add_engine_args, engine_config
-from tsengine.cache.kv_cache import BlockManager
 from tsengine.entrypoints.llm import LLM
 from tsengine.sampling_params import SamplingParams
 

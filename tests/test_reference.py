@@ -4,10 +4,15 @@ import zlib
 
 import pytest
 
-from tsengine.infer.reference import (ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate,
-                             prefix_tree_mask)
 from tests.helpers import ScriptedDrafter, assert_lossless, random_head
 from tsengine.errors import UserError
+from tsengine.infer.reference import (
+    ReferenceSpeculator,
+    SpecShape,
+    compare_to_greedy,
+    greedy_generate,
+    prefix_tree_mask,
+)
 from tsengine.targets import encode_prompt, eos_ids
 
 SHAPES = [SpecShape(3, 1, 4), SpecShape(2, 2, 5), SpecShape(3, 3, 10), SpecShape(4, 4, 16), SpecShape(5, 8, 32)]

@@ -104,7 +104,8 @@ def test_int8_quantization_is_per_row_and_within_half_a_step():
 def test_int8_matches_f_linear_on_the_dequantized_weights(rows, out_features, in_features):
     _, q, scale, deq = _int8(out_features, in_features, rows * 1000 + out_features)
     g = torch.Generator().manual_seed(rows)
-    x, b, r = torch.randn(rows, in_features, generator=g), torch.randn(out_features, generator=g), torch.randn(rows, out_features, generator=g)
+    x, b, r = (torch.randn(rows, in_features, generator=g), torch.randn(out_features, generator=g),
+               torch.randn(rows, out_features, generator=g))
     tol = {"rtol": 1e-5, "atol": 1e-4}  # one sequential fp32 sum over k
     torch.testing.assert_close(_rows_int8(x, q, scale), F.linear(x, deq), **tol)
     torch.testing.assert_close(_rows_int8(x, q, scale, b, r), r + F.linear(x, deq, b), **tol)

@@ -17,10 +17,10 @@ import openai
 import pytest
 
 from tests.helpers import post, serving, slow_steps, wait_idle
-from tsengine.entrypoints.openai.async_engine import AsyncEngine
 from tsengine.config import EngineConfig, SpeculativeConfig
-from tsengine.errors import UserError
 from tsengine.entrypoints.llm import LLM
+from tsengine.entrypoints.openai.async_engine import AsyncEngine
+from tsengine.errors import UserError
 from tsengine.sampling_params import SamplingParams
 
 KEY, MODEL, CONTEXT = "sk-test", "tiny-llama", 128

@@ -1,9 +1,9 @@
 """Property-based fuzzing of both endpoints from the server's own /openapi.json (issue 14).
 
 Bodies are drawn from the request schemas the server publishes (`from_schema` below: the JSON-schema subset
-FastAPI emits for these models, each constraint respected), plus arbitrary JSON. Every answer must be documented for its route, be 2xx or 4xx (never 5xx), carry OpenAI's error
-shape when it is an error, and leave the server healthy. A fixed example budget and derandomized draws
-keep CI fast and repeatable.
+FastAPI emits for these models, each constraint respected), plus arbitrary JSON. Every answer must be documented
+for its route, be 2xx or 4xx (never 5xx), carry OpenAI's error shape when it is an error, and leave the server
+healthy. A fixed example budget and derandomized draws keep CI fast and repeatable.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def test_schema_drawn_requests_are_answered_as_documented(fuzzed, path, model):
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=12), inner, max_size=4),
                     max_leaves=12)
 FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream",
           "stop_token_ids", "min_p", "stream_options", "max_completion_tokens", "ignore_eos"]

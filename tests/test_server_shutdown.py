@@ -26,7 +26,8 @@ def serve_process(tiny_dirs):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         sock.close()
-        proc = subprocess.Popen([sys.executable, "-m", "tsengine.entrypoints.cli", "serve", "--model", str(tiny_dirs["llama"]),
+        proc = subprocess.Popen([sys.executable, "-m", "tsengine.entrypoints.cli", "serve",
+                                 "--model", str(tiny_dirs["llama"]),
                                  "--max-model-len", "512", "--port", str(port), *flags],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})

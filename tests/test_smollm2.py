@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
 from tests.helpers import ScriptedDrafter, assert_lossless, random_head
 from tsengine.errors import UserError
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, compare_to_greedy, greedy_generate
 from tsengine.targets import MARKER, encode_prompt, eos_ids, pull
 
 pytestmark = pytest.mark.real_model

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
 from tests.helpers import assert_lossless
 from tsengine.eagle3.format import load_head
+from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_generate
 from tsengine.targets import encode_prompt, eos_ids
 
 REPO = Path(__file__).resolve().parent.parent

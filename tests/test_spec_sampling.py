@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tests.helpers import PROMPTS, DraftRewriter, chi2_pvalue
-from tsengine.errors import UserError
 from tsengine.entrypoints.llm import LLM
+from tsengine.errors import UserError
+from tsengine.sample.verify import multiround_draws, rejection_draws
 from tsengine.sampling_params import SamplingParams
 from tsengine.speculative.drafts import Drafts
-from tsengine.sample.verify import multiround_draws, rejection_draws
 
 N_SAMPLES, T, PROMPT = 20000, 1.0, [5, 17, 33]
 
@@ -202,7 +202,8 @@ def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models
     assert pvalue > 1e-3
 
 
-@pytest.mark.parametrize("extra", [RULES["rejection-chain"][0], RULES["multiround-tree"][0]], ids=["rejection", "multiround"])
+@pytest.mark.parametrize("extra", [RULES["rejection-chain"][0], RULES["multiround-tree"][0]],
+                         ids=["rejection", "multiround"])
 def test_rules_keep_greedy_exact_and_seeds_reproducible(tiny_dirs, heads, extra):
     """In a mixed batch, greedy rows under either rule equal plain greedy decoding token for token, and a
     seeded sampled request returns the same tokens when run again in another batch."""
@@ -224,7 +225,8 @@ def test_speculative_sampling_blockers(tiny_dirs, heads):
              ({"method": "ngram", "num_speculative_tokens": 2, "enable_speculative_sampling": True},
               ["NGRAM drafts have none"]),
              ({"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2,
-               "tree_sampling": "multiround"}, ["a chain (speculative_eagle_topk 1) uses --enable-speculative-sampling"])]
+               "tree_sampling": "multiround"},
+              ["a chain (speculative_eagle_topk 1) uses --enable-speculative-sampling"])]
     for spec, msgs in cases:
         with pytest.raises(UserError, match="every blocker") as e:
             make_llm(tiny_dirs, spec)

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from tsengine.errors import UserError
 from tsengine.train import recipe as recipes
 from tsengine.train.prompts import CATEGORIES, builtin_prompts, split
 from tsengine.train.prompts import synthetic as syn
-from tsengine.errors import UserError
 
 
 class _Tok:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tsengine.train.threads import choose
 from tsengine.errors import UserError
+from tsengine.train.threads import choose
 
 REPO = Path(__file__).resolve().parent.parent
 CORES = len(os.sched_getaffinity(0))

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from tests.helpers import write_rows
+from tsengine.errors import UserError
 from tsengine.train import recipe as recipes
 from tsengine.train.dump_features import dump, finalize
 from tsengine.train.features import FeatureStore, TargetFeatures
 from tsengine.train.prepare_data import load_prepared, prepare
 from tsengine.train.regenerate import Regenerator, read_done
 from tsengine.train.vocab import build_vocab, load_vocab
-from tsengine.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -200,6 +200,7 @@ def test_export_refuses_incomplete_or_mismatched_checkpoints(tiny_dirs, tiny_mod
     with pytest.raises(UserError, match=r"lm_head.weight has shape \[50, 64\]"):
         export_checkpoint(ck, tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
-    r = subprocess.run([sys.executable, "-m", "tsengine.entrypoints.cli", "export", str(ck), "--out", str(tmp_path / "o3")],
+    r = subprocess.run([sys.executable, "-m", "tsengine.entrypoints.cli", "export", str(ck),
+                        "--out", str(tmp_path / "o3")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "lm_head.weight" in r.stderr and "Traceback" not in r.stderr

@@ -25,7 +25,8 @@ def test_mask_is_causal_then_diagonals():
     m = ttt_mask(4, 2, "cpu")
     assert m.shape == (4, 12)
     assert torch.equal(m[:, :4], torch.ones(4, 4, dtype=torch.bool).tril())
-    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool)) and torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(m[:, 4:8], torch.eye(4, dtype=torch.bool))
+    assert torch.equal(m[:, 8:], torch.eye(4, dtype=torch.bool))
 
 
 def test_unroll_equals_naive_chain_loop(setup):

@@ -59,9 +59,11 @@ def make_target(out: Path, kind: str = "llama", seed: int = 0, layers: int = 8, 
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   initializer_range=std)
     if kind == "llama":
-        cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        cfg = LlamaConfig(**common, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif kind == "qwen3":
-        cfg = Qwen3Config(**common, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cfg = Qwen3Config(**common, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)

@@ -36,5 +36,6 @@ def collate(dataset, examples: list[int], device) -> tuple[torch.Tensor, torch.T
     mask = torch.zeros(len(rows), t, dtype=torch.bool)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
-        ids[i, :n], att[i, :n], mask[i, :n] = torch.tensor(r["input_ids"]), 1, torch.tensor(r["loss_mask"], dtype=torch.bool)
+        ids[i, :n], att[i, :n], mask[i, :n] = (torch.tensor(r["input_ids"]), 1,
+                                               torch.tensor(r["loss_mask"], dtype=torch.bool))
     return ids.to(device), att.to(device), mask.to(device)

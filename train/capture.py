@@ -34,9 +34,9 @@ def regenerate_share(r, tok, rows: list[dict], split: str, root: Path, layer_ids
     """Regenerate+capture this rank's share of the rows not done yet: rows[rank::world] (fixed by position,
     so ranks never share a row, whatever another rank has finished), into its own shard files. Every rank
     on its own device; rank 0 indexes them all afterwards (`finalize_split`)."""
+    from tsengine.targets import resolve
     from tsengine.train.features import ShardWriter, sidecars
     from tsengine.train.regen_engine import CAPTURE_SHARD_TOKENS, EngineRegenerator
-    from tsengine.targets import resolve
 
     out, key = root / "capture" / split, _key(r, tok, layer_ids)
     writer = ShardWriter(out, key, "shard" if world == 1 else f"shard-r{rank}", r.features.dtype,
@@ -104,7 +104,8 @@ def _finalize(out: Path, shards: list[dict], wanted: list[str], root: Path, spli
     used = root / "data" / "used" / f"{split}.jsonl"
     used.parent.mkdir(parents=True, exist_ok=True)
     used.write_text("".join(json.dumps({"id": rid, "messages": where[rid][0]["messages"][where[rid][1]],
-                                        "finished": where[rid][0]["finished"][where[rid][1]]}, ensure_ascii=False) + "\n"
+                                        "finished": where[rid][0]["finished"][where[rid][1]]},
+                                       ensure_ascii=False) + "\n"
                             for rid in keep))
     pkey = digest(key, keep)
     if not is_done(prepared, pkey):
@@ -120,8 +121,10 @@ def _finalize(out: Path, shards: list[dict], wanted: list[str], root: Path, spli
     for m in shards:
         pick = [i for i, ex in enumerate(m["examples"]) if ex in number]
         if pick:
-            index_shards.append({"file": m["file"], "sha256": m["sha256"], "examples": [number[m["examples"][i]] for i in pick],
-                                 "offsets": [m["offsets"][i] for i in pick], "lengths": [m["lengths"][i] for i in pick]})
+            index_shards.append({"file": m["file"], "sha256": m["sha256"],
+                                 "examples": [number[m["examples"][i]] for i in pick],
+                                 "offsets": [m["offsets"][i] for i in pick],
+                                 "lengths": [m["lengths"][i] for i in pick]})
     rows = sum(sum(m["lengths"]) for m in shards)
     size = sum((out / m["file"]).stat().st_size for m in shards)
     index = {"key": pkey, "tokens": sum(sum(s["lengths"]) for s in index_shards), "bytes": size,

@@ -65,7 +65,8 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     outs = {}
     for label, spec in (("plain decoding", None),
-                        ("EAGLE-3 chain, 3 steps", {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}),
+                        ("EAGLE-3 chain, 3 steps", {"method": "eagle3", "model": str(head),
+                                                    "num_speculative_tokens": 3}),
                         ("EAGLE-3 tree, 5 steps, top-8, 32 nodes", {"method": "eagle3", "model": str(head),
                                                                     "num_speculative_tokens": 5, "eagle_topk": 8,
                                                                     "num_draft_tokens": 32})):
@@ -84,7 +85,8 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
         print(out.outputs[0].text.strip() + "\n")
         outs[label] = toks
     same = len(set(map(tuple, outs.values()))) == 1
-    print("speculative output equals plain greedy token for token" if same else "MISMATCH: speculation changed the output")
+    print("speculative output equals plain greedy token for token" if same
+          else "MISMATCH: speculation changed the output")
     return 0 if same else 1
 
 

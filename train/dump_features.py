@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tsengine.errors import UserError, run_main
 from tsengine.train.features import DTYPES, INDEX, ShardWriter, TargetFeatures, sidecars
 from tsengine.train.stages import MARKER, digest, is_done, read_marker
-from tsengine.errors import UserError, run_main
+
 
 def dump(model, dataset, layer_ids, out: str | Path, key: str, dtype: str = "float32", batch_tokens: int = 8192,
          shard_tokens: int = 262144, rank: int = 0, world: int = 1, progress: bool = True) -> None:
@@ -98,7 +99,8 @@ def run(model, dataset, prepared: Path, layer_ids, out: Path, dtype: str, batch_
 def main(argv: list[str] | None = None) -> int:
     from tsengine.train.threads import use_machine_cores  # first: before torch's thread pool sizes itself
     use_machine_cores()
-    p = argparse.ArgumentParser(prog="accelerate launch -m tsengine.train.dump_features", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="accelerate launch -m tsengine.train.dump_features",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True, help="prepared data directory (python -m tsengine.train.prepare_data)")
     p.add_argument("--out", required=True)
@@ -111,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from accelerate import PartialState
 
-        from tsengine.train.prepare_data import load_prepared
         from tsengine.eagle3.config import default_aux_layer_ids
         from tsengine.targets import load_target
+        from tsengine.train.prepare_data import load_prepared
 
         state = PartialState(cpu=not torch.cuda.is_available())
         model, _ = load_target(args.target, device=str(state.device))

@@ -19,8 +19,8 @@ def evaluate(r, model, tok, root: Path, user_sized: bool = False) -> dict:
     the recipe file says (its head is a smoke test), unless `user_sized`: eval.num_prompts or
     eval.max_new_tokens given on the command line are the user's choice and are kept. The recipe's full
     eval of such a head is one `python -m tsengine.infer.eval` away (printed)."""
-    from tsengine.infer.eval import measure, prompts_from, raise_on_mismatch, table
     from tsengine.eagle3.format import load_head
+    from tsengine.infer.eval import measure, prompts_from, raise_on_mismatch, table
     from tsengine.targets import resolve
 
     e = r.eval

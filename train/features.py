@@ -68,7 +68,8 @@ class ShardWriter:
     killed writer loses at most the shard in progress."""
 
     def __init__(self, out: Path, key: str, prefix: str, dtype: str, shard_tokens: int):
-        self.out, self.key, self.prefix, self.cast, self.shard_tokens = Path(out), key, prefix, DTYPES[dtype], shard_tokens
+        self.out, self.key, self.prefix = Path(out), key, prefix
+        self.cast, self.shard_tokens = DTYPES[dtype], shard_tokens
         self.out.mkdir(parents=True, exist_ok=True)
         self.seq = 1 + max([int(p.stem.rsplit("-", 1)[1]) for p in self.out.glob(f"{prefix}-*.json")] or [-1])
         self.pending: list[tuple] = []
@@ -137,7 +138,8 @@ class FeatureStore:
         try:
             index = json.loads((self.root / INDEX).read_text())
         except (OSError, ValueError):
-            raise UserError(f"features {root}: no readable {INDEX} (run accelerate launch -m tsengine.train.dump_features)") from None
+            raise UserError(f"features {root}: no readable {INDEX} "
+                            "(run accelerate launch -m tsengine.train.dump_features)") from None
         self.meta = index
         self.where: dict[int, tuple[str, int, int]] = {}
         self.sha = {}

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 from tsengine.conversations import load_rows
+from tsengine.errors import UserError, run_main
 from tsengine.train.data import build
 from tsengine.train.stages import StageDir, digest, is_done, tokenizer_digest
-from tsengine.errors import UserError, run_main
 
 
 def prepare(tok, source: str | Path, out: str | Path, max_length: int, max_samples: int | None = None,

@@ -62,7 +62,8 @@ class EngineRegenerator:
         from tsengine.config import EngineConfig
         from tsengine.engine.core import Engine
 
-        self.tok, self.max_new_tokens, self.top_p, self.seed, self.max_length = tok, max_new_tokens, top_p, seed, max_length
+        self.tok, self.max_new_tokens, self.top_p = tok, max_new_tokens, top_p
+        self.seed, self.max_length = seed, max_length
         self.capture = bool(capture_layer_ids)
         from tsengine.errors import UserError
 

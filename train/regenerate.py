@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from tsengine.conversations import load_rows, normalize
-from tsengine.train.data import Skipped
 from tsengine.errors import UserError, run_main
+from tsengine.train.data import Skipped
 
 
 def row_id(row: dict[str, Any], index: int) -> str:
@@ -143,7 +143,8 @@ class Regenerator:
         """Turn by turn: round r answers the r-th assistant turn of every conversation that has one."""
         convs = [[m for m in msgs] for _, msgs in batch]
         # assistant slots to fill; a prompt row ending in a user turn gets its reply appended
-        turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"] + ([len(c)] if c[-1]["role"] == "user" else [])
+        turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"]
+                 + ([len(c)] if c[-1]["role"] == "user" else [])
                  for c in convs]
         finished = [True] * len(batch)
         ok, why = [True] * len(batch), [""] * len(batch)
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                                       args.top_p, args.seed)
         else:
             model, tok = load_target(args.target)
-            regen = Regenerator(model, tok, args.batch_size, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+            regen = Regenerator(model, tok, args.batch_size, args.max_new_tokens, args.temperature, args.top_p,
+                                args.seed)
         skipped = regen.run(rows, args.out)
         print(f"regenerate: {skipped.summary(len(read_done(Path(args.out))))} -> {args.out}")
 

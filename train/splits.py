@@ -98,8 +98,8 @@ def regenerate(r, model, tok, rows: list, out: Path) -> list:
 
     g, t0, skipped, tokens = r.regen, time.time(), Skipped(), None  # HF's count is not tracked
     if g.backend == "engine":
-        from tsengine.train.regen_engine import EngineRegenerator
         from tsengine.targets import resolve
+        from tsengine.train.regen_engine import EngineRegenerator
 
         regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed,
                                   r.data.max_length)

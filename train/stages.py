@@ -1,8 +1,8 @@
 """Cached pipeline stages: each output directory records the key of the inputs that made it.
 
 A stage is redone when its key changes (different data, tokenizer, sizes) and skipped when it matches,
-so the pipeline (`train/pipeline.py`) can run "whatever is not done yet" and never reuse a stale product. Outputs land in
-a temporary sibling directory first and are renamed into place, so a killed stage leaves no half product
+so the pipeline (`train/pipeline.py`) can run "whatever is not done yet" and never reuse a stale product. Outputs
+land in a temporary sibling directory first and are renamed into place, so a killed stage leaves no half product
 that looks finished.
 """
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tsengine.errors import run_main
 from tsengine.train import recipe as recipes
 from tsengine.train.pipeline import run
-from tsengine.errors import run_main
 
 
 def main(argv: list[str] | None = None) -> int:

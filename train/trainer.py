@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tsengine.eagle3.head import Eagle3Head
 from tsengine.train.batching import collate, plan_batches
 from tsengine.train.checkpoints import State, load_checkpoint, save_checkpoint
 from tsengine.train.features import Features, FeatureStore, TargetFeatures, lm_head_weight
@@ -25,7 +26,6 @@ from tsengine.train.loss import step_loss, teacher, valid_positions
 from tsengine.train.plots import plot_acc
 from tsengine.train.recipe import Recipe
 from tsengine.train.ttt import unroll
-from tsengine.eagle3.head import Eagle3Head
 
 
 # ---- the model the optimizer sees ---------------------------------------------------------------
@@ -193,7 +193,8 @@ class Trainer:
         model.eval()
         lengths = [len(x) for x in self.val_data["input_ids"]]
         total = None
-        for examples in plan_batches(lengths, self.r.train.batch_tokens, 0, 0, 1)[0][self.acc.process_index::self.acc.num_processes]:
+        batches = plan_batches(lengths, self.r.train.batch_tokens, 0, 0, 1)[0]
+        for examples in batches[self.acc.process_index::self.acc.num_processes]:
             with self.acc.autocast():
                 (_, stats), _ = self._forward(self.val_data, self.val_features, examples, model)
             total = stats if total is None else total + stats

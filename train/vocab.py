@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from tsengine.train.stages import StageDir, digest, is_done, read_marker, tokenizer_digest
 from tsengine.eagle3.vocab import vocab_map
 from tsengine.errors import UserError, run_main
+from tsengine.train.stages import StageDir, digest, is_done, read_marker, tokenizer_digest
 
 
 def count_tokens(dataset, vocab_size: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ _PUBLIC = {
     "EngineConfig": "tsengine.config",
     "SpeculativeConfig": "tsengine.config",
 }
-__all__ = [*_PUBLIC, "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "SpeculativeConfig", "__version__"]
 
 if TYPE_CHECKING:
     from tsengine.config import EngineConfig, SpeculativeConfig

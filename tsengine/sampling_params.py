@@ -30,7 +30,8 @@ class SamplingParams:
 
     def __post_init__(self):
         problems = []
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
             problems.append(f"temperature is {self.temperature!r}; must be a finite number >= 0")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             problems.append(f"top_p is {self.top_p!r}; must be in (0, 1]")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from tsengine.sampling_params import SamplingParams
@@ -48,7 +47,7 @@ class Sequence:
     verify_steps: int = 0
     accepted: int = 0  # draft tokens accepted in total
     ngram: "NgramIndex | None" = None  # prompt lookup's index of this request's tokens (NGRAM, adaptive)
-    spec_stats: object = None  # adaptive speculation's acceptance counts for this request (spec/adaptive.py)
+    spec_stats: object = None  # adaptive speculation's acceptance counts for this request (adaptive/policy.py)
     draft_cached: int = 0  # positions [0, draft_cached) hold the EAGLE-3 head's committed KV (<= num_cached)
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (prefix_cache.py)
     num_keyed: int = 0  # positions whose blocks have their prefix-cache key

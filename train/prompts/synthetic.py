@@ -29,8 +29,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tsengine.train.prompts import CATEGORIES, builtin_prompts, split
 from tsengine.errors import UserError, run_main
+from tsengine.train.prompts import CATEGORIES, builtin_prompts, split
 
 VERSION = 2  # bump whenever the instruction or a filter changes: cached results are keyed by it
 SHOTS = 4

@@ -133,7 +133,8 @@ def slot(table: list[int], position: int, block_size: int) -> int:
 def allocate(num_blocks: int, block_size: int, layers: int, kv_heads: int, head_dim: int, dtype, device):
     """Per layer a (k, v) pair of [num_blocks + 1, block_size, kv_heads, head_dim] tensors. Separate tensors,
     not views of one buffer: a compiled step writes them in place, where a view of one buffer makes the
-    compiler copy the whole buffer back every step (3.7 s per step for a 7 GB cache, measured). The extra
+    compiler copy the whole buffer back every step (seconds per step for a cache of a few GB; measured:
+    docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"). The extra
     block is scratch (`scratch_slot`): padding rows of a compiled step write there, and nobody reads it."""
     shape = (num_blocks + 1, block_size, kv_heads, head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -145,7 +145,8 @@ def _check_vocab_map(cfg: Eagle3Config, d2t, t2d) -> list[str]:
             ids = torch.arange(cfg.draft_vocab_size) + d2t
             bad = ((ids < 0) | (ids >= cfg.vocab_size)).nonzero().flatten()
             if len(bad):
-                problems.append(f"d2t maps draft ids {bad[:5].tolist()} outside the target vocab 0..{cfg.vocab_size - 1}")
+                problems.append(f"d2t maps draft ids {bad[:5].tolist()} outside the target vocab "
+                                f"0..{cfg.vocab_size - 1}")
             elif len(torch.unique(ids)) != len(ids):
                 problems.append("d2t maps two draft ids to the same target id")
             elif t2d is not None and t2d.dtype == torch.bool and t2d.shape == (cfg.vocab_size,):
@@ -159,7 +160,8 @@ def _check_vocab_map(cfg: Eagle3Config, d2t, t2d) -> list[str]:
 def _check_target(cfg: Eagle3Config, target: Any, has_embed: bool) -> list[str]:
     problems = []
     if cfg.target_hidden_size != target.hidden_size:
-        problems.append(f"target_hidden_size is {cfg.target_hidden_size}, the target's hidden_size is {target.hidden_size}")
+        problems.append(f"target_hidden_size is {cfg.target_hidden_size}, the target's hidden_size is "
+                        f"{target.hidden_size}")
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocab_size is {cfg.vocab_size}, the target's vocab_size is {target.vocab_size}")
     if not has_embed and cfg.hidden_size != target.hidden_size:

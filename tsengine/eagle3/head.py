@@ -48,7 +48,8 @@ class DraftAttention(nn.Module):
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_proj = nn.Linear(2 * cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -67,8 +68,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         # Serving only (`tsengine.model.linear.accelerate`): q/k/v as one matmul and gate/up as one, each output the
-        # same bits as its own matmul's: two kernel calls instead of five, ~25 µs less per pass of the layer
-        # (1 row, int8, the kernels timed alone).
+        # same bits as its own matmul's: two kernel calls instead of five, a little less drafting per step
+        # (measured: docs/benchmarks-journal.md, "The served head with fused projections, on a faster machine").
         self.fused: dict | None = None
 
     def _apply(self, fn, recurse=True):

@@ -2,49 +2,18 @@
 listed in one refusal. Nothing falls back silently: a tree on a backend without a tree kernel is an
 error that says so, not a quiet switch to another backend or to a chain.
 
-Each component answers for itself (`_attention`, `_drafter`, ...); `check` collects and refuses once.
+Each component answers for itself (`_attention`, speculation's `speculation_problems`, `_quantization`);
+`check` collects and refuses once.
 """
 
 from __future__ import annotations
 
 from tsengine.errors import fail_if
+from tsengine.speculative import speculation_problems
 
 
 def _attention(backend: str, spec) -> list[str]:
     return []  # both backends verify chains and trees (ancestor-bitmask windows of <= 64 nodes)
-
-
-def _sampler(spec) -> list[str]:
-    """Which verification rule can check which drafts: rejection sampling needs one drafted token per
-    position and its recorded q (an EAGLE3 chain); the multi-round rule is the tree's."""
-    if spec is None:
-        return []
-    problems = []
-    if spec.speculative_sampling and spec.is_tree:
-        problems.append(f"sampler rejection (--enable-speculative-sampling): verifies a chain; speculative_eagle_topk "
-                        f"{spec.eagle_topk} drafts a tree: use --spec-tree-sampling multiround for trees")
-    if spec.speculative_sampling and spec.algorithm == "NGRAM":
-        problems.append("sampler rejection (--enable-speculative-sampling): needs the draft's distribution q; NGRAM "
-                        "drafts have none (the default Gumbel rule verifies them exactly)")
-    if spec.tree_sampling == "multiround" and not spec.is_tree:
-        problems.append("sampler multiround (--spec-tree-sampling multiround): the tree rule; a chain "
-                        "(speculative_eagle_topk 1) uses --enable-speculative-sampling")
-    return problems
-
-
-def _drafter(spec, draft_vocab_size: int | None) -> list[str]:
-    if spec is None:
-        return []
-    problems = []
-    if spec.algorithm == "NGRAM" and spec.is_tree:
-        problems.append(f"drafter NGRAM: drafts a chain (one continuation per match); speculative_eagle_topk "
-                        f"{spec.eagle_topk} needs EAGLE3")
-    if draft_vocab_size is not None:  # the shape itself was checked with the config: only the head's limit is new
-        from tsengine.config import tree_shape_problems
-
-        problems += [f"drafter EAGLE3: {p}" for p in tree_shape_problems(
-            spec.num_steps, spec.eagle_topk, spec.num_draft_tokens, draft_vocab_size=draft_vocab_size)]
-    return problems
 
 
 def _quantization(spec, device, dtype) -> list[str]:
@@ -66,5 +35,5 @@ def _quantization(spec, device, dtype) -> list[str]:
 
 def check(backend: str, spec, draft_vocab_size: int | None = None, device=None, dtype=None) -> None:
     """Raise one UserError listing every blocker of this configuration (or return)."""
-    fail_if(_attention(backend, spec) + _sampler(spec) + _drafter(spec, draft_vocab_size)
+    fail_if(_attention(backend, spec) + speculation_problems(spec, draft_vocab_size)
             + _quantization(spec, device, dtype), "this configuration cannot run; every blocker")

@@ -16,27 +16,27 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from tsengine.model import graphs
-from tsengine.engine.capture import CaptureBuffer, Captured
-from tsengine.config import EngineConfig
-from tsengine.errors import UserError
-from tsengine.engine.faults import EngineFault, Quarantine, engine_wide, failure_message
-from tsengine.engine.metrics import StepClock, Stats
 from tsengine.cache.prefix_cache import PrefixCache
 from tsengine.cache.prefix_cache import salt as prefix_salt
+from tsengine.config import EngineConfig
+from tsengine.engine.capture import CaptureBuffer, Captured
+from tsengine.engine.faults import EngineFault, Quarantine, engine_wide, failure_message
+from tsengine.engine.metrics import Stats, StepClock
 from tsengine.engine.runner import Forward, ModelRunner
-from tsengine.sample.sampling import RowParams
-from tsengine.sampling_params import SamplingParams
 from tsengine.engine.scheduler import Scheduled, Scheduler
+from tsengine.engine.startup import reserve_slots
+from tsengine.errors import UserError
+from tsengine.model import graphs
+from tsengine.sample.sampling import RowParams
+from tsengine.sample.verify import Verdict, Verifier
+from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence, Status
 from tsengine.speculative import build_proposer
 from tsengine.speculative.drafts import Committed, Proposal
-from tsengine.sample.verify import Verdict, Verifier
-from tsengine.engine.startup import reserve_slots
 
 log = logging.getLogger("tsengine")
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from tsengine.config import EngineConfig
 from tsengine.engine import compatibility, startup
 from tsengine.engine.capture import write_captures
-from tsengine.config import EngineConfig
-from tsengine.model.context import Context
-from tsengine.errors import UserError
-from tsengine.model.llama import load_model
 from tsengine.engine.scheduler import Scheduled
+from tsengine.errors import UserError
+from tsengine.model.context import Context
+from tsengine.model.llama import load_model
 from tsengine.speculative import load_draft_model
 from tsengine.speculative.drafts import DraftResources, Windows
 from tsengine.targets import eos_ids, resolve

@@ -66,7 +66,8 @@ class Scheduler:
             return self._schedule()
         finally:  # the others keep their places; `only` keeps its own if it still runs
             ran = only in self.running
-            self.running = [s for s in running if s is not only or ran] + ([only] if ran and only not in running else [])
+            self.running = ([s for s in running if s is not only or ran]
+                            + ([only] if ran and only not in running else []))
             self.waiting = self.waiting + deque(s for s in waiting if s is not only)
 
     def _schedule(self) -> list[Scheduled]:

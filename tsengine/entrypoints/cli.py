@@ -10,8 +10,8 @@ import sys
 from typing import get_args
 
 from tsengine.config import DraftQuantization
-from tsengine.errors import UserError, run_main
 from tsengine.entrypoints.openai.settings import ServerSettings as ServerSettingsDefaults
+from tsengine.errors import UserError, run_main
 
 
 def _pull(args) -> None:
@@ -86,7 +86,6 @@ def _generate(args) -> None:
 def _serve(args) -> None:
     from tsengine.entrypoints.engine_args import engine_config
     from tsengine.entrypoints.openai.app import serve
-
     from tsengine.entrypoints.openai.settings import ServerSettings, default_model_name
 
     settings = ServerSettings(
@@ -229,7 +228,8 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--default-max-tokens", type=_positive, default=d.default_max_tokens,
                     help=f"max_tokens of a request that sets none (default {d.default_max_tokens}; cut to the context)")
     sv.add_argument("--max-queue-len", type=_non_negative, default=d.max_queue_len,
-                    help=f"choices that may wait beyond --max-num-seqs before requests get 429 (default {d.max_queue_len})")
+                    help=f"choices that may wait beyond --max-num-seqs before requests get 429 "
+                         f"(default {d.max_queue_len})")
     sv.add_argument("--max-request-body-bytes", type=_positive, default=d.max_body_bytes,
                     help=f"larger request bodies get 413 (default {d.max_body_bytes})")
     sv.add_argument("--header-timeout", type=_positive_float, default=d.header_timeout_s,

@@ -10,8 +10,8 @@ from tqdm import tqdm
 
 from tsengine.config import EngineConfig, SpeculativeConfig
 from tsengine.engine.core import Engine
-from tsengine.errors import UserError
 from tsengine.entrypoints.fanout import fan_out
+from tsengine.errors import UserError
 from tsengine.sampling_params import SamplingParams
 
 

@@ -71,9 +71,9 @@ def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]],
         tree = max(trees, key=lambda t: t[2]) if trees else None
         depth = tree[0] if tree else steps
         shape = {"eagle_topk": tree[1], "num_draft_tokens": tree[2]} if tree else {}
-        out.append(Candidate(f"adaptive 0..{depth}", [*eagle, "--speculative-num-steps", str(depth),
-                                                      *([] if tree is None else ["--speculative-eagle-topk", str(tree[1]),
-                                                        "--speculative-num-draft-tokens", str(tree[2])]),
+        tree_flags = [] if tree is None else ["--speculative-eagle-topk", str(tree[1]),
+                                              "--speculative-num-draft-tokens", str(tree[2])]
+        out.append(Candidate(f"adaptive 0..{depth}", [*eagle, "--speculative-num-steps", str(depth), *tree_flags,
                                                       "--speculative-adaptive"],
                              {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": depth, "adaptive": True,
                               **shape}))
@@ -125,7 +125,8 @@ def read_prompts(path: str) -> list:
 
 def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], max_tokens: int,
             temperature: float, engine_kw: dict, repeats: int = 1) -> list[Measured]:
-    """Each level `repeats` times; the median tok/s (a shared CPU's speed moves by ±30% between runs)."""
+    """Each level `repeats` times; the median tok/s: a shared CPU's speed moves by tens of percent between
+    runs (docs/benchmarks-journal.md, "`tsengine tune` on the embedded target (issue 15, previous revision)")."""
     from tsengine.entrypoints.llm import LLM
     from tsengine.sampling_params import SamplingParams
 

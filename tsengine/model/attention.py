@@ -73,7 +73,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     gqa = nkv != q.shape[1]
     if ctx.dense_base is not None:
         # One request whose blocks are consecutive (the usual batch-1 case): its KV is a view of the cache
-        # and its tokens need no padding. Fewest ops: each costs ~10 µs of dispatch on a small CPU.
+        # and its tokens need no padding. Fewest ops: on a small CPU each op's dispatch is a visible share of
+        # a decode step (docs/benchmarks-journal.md, "Engine decode speed (issue 4)").
         span = slice(ctx.dense_base, ctx.dense_base + ctx.max_ctx)
         k, v = k_cache.view(-1, nkv, d)[span], v_cache.view(-1, nkv, d)[span]
         if k.dtype != q.dtype:

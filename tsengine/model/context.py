@@ -95,7 +95,8 @@ class Context:
             out, dev = [], self.positions.device
             for rows, reqs, seq, qstart, max_q, max_ctx in self.groups:
                 rows, reqs, seq, qstart = (_long(x, dev) for x in (rows, reqs, seq, qstart))
-                tree = {} if self.tree_anc is None else {"tree_start": self.tree_start[rows], "tree_anc": self.tree_anc[rows]}
+                tree = ({} if self.tree_anc is None
+                        else {"tree_start": self.tree_start[rows], "tree_anc": self.tree_anc[rows]})
                 out.append((rows, Context(self.positions[rows], seq, self.slot_mapping[rows], self.block_tables[reqs],
                                           self.context_lens[reqs], qstart, max_q, max_ctx, **tree)))
             self.memo["parts"] = out

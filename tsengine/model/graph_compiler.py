@@ -16,14 +16,15 @@ def compile_step(fn, *bound, key: tuple) -> "DirectGraph":
     and once compiled called without dynamo at all (`DirectGraph`).
 
     Why: dynamo checks its compiled entries in turn on every call, each against a guard per parameter and
-    cache tensor: ~0.43 ms a call with every shape's entry guarding all of them (torch profiler, batch 1 with
-    a chain of 3), ~0.13 ms with the module guards skipped, and none once the call bypasses dynamo. Each graph
-    gets its own copy of `fn`, named for its `key`: torch.compile puts every partial's entries on one shared
-    wrapper frame (`external_utils.wrap_inline`), where the guard on the partial's function is what tells two
-    engines' graphs of one shape apart (`test_engines_of_one_shape_each_run_their_own_weights`; the FX graph
-    cache on disk keys on the graph, not the name). Skipping the module guards is safe here because that copy
-    is only ever called with the module and cache tensors bound below, and the bank picks the graph by shape;
-    the inputs' shape and dtype guards stay for the first call (vLLM skips the guards altogether)."""
+    cache tensor: a visible share of a batch-1 step with every shape's entry guarding all of them, a fraction
+    of that with the module guards skipped, and nothing once the call bypasses dynamo (torch profiler;
+    measured: docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"). Each graph gets its own copy of
+    `fn`, named for its `key`: torch.compile puts every partial's entries on one shared wrapper frame
+    (`external_utils.wrap_inline`), where the guard on the partial's function is what tells two engines'
+    graphs of one shape apart (`test_engines_of_one_shape_each_run_their_own_weights`; the FX graph cache on
+    disk keys on the graph, not the name). Skipping the module guards is safe here because that copy is only
+    ever called with the module and cache tensors bound below, and the bank picks the graph by shape; the
+    inputs' shape and dtype guards stay for the first call (vLLM skips the guards altogether)."""
     name = "_".join([fn.__name__, *map(str, key)])
     private = types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
                                  fn.__closure__)
@@ -52,15 +53,16 @@ def _signature(inputs) -> tuple:
 class DirectGraph:
     """A compiled step called the way vLLM calls its compiled model: after the first call has compiled it,
     through the bytecode dynamo made of the step (which calls the compiled graph) as a plain function, so no
-    call pays for dynamo's frame hook, cache lookup and guards. Measured on the draft graph at batch 1 (int8
-    head, chain of 3): 0.30 -> 0.10 ms between the call and the compiled graph's own code, drafting 7.3% ->
-    6.2% of a step. Safe because what the guards checked holds by construction: the bound modules and
-    tensors are this graph's own, and a call whose inputs differ from the compiled ones in shape, dtype or
-    stride, or that runs with autograd on (the engine never does), goes back through dynamo, guards included.
+    call pays for dynamo's frame hook, cache lookup and guards. On the draft graph at batch 1 that cut most of
+    the time between the call and the compiled graph's own code, and drafting's share of a step with it
+    (measured: docs/benchmarks-journal.md, "The few-row kernel on panels, and graphs called without dynamo").
+    Safe because what the guards checked holds by construction: the bound modules and tensors are this
+    graph's own, and a call whose inputs differ from the compiled ones in shape, dtype or stride, or that
+    runs with autograd on (the engine never does), goes back through dynamo, guards included.
 
     What dynamo rewrote is torch.compile's wrapper around the partial (`external_utils.wrap_inline`, a frame
     with the partial in its closure), not the step itself: compiling the step as a function of all its
-    arguments instead gave slower code (target step 18.5 -> 19.9 ms at batch 1), so the graphs stay as they
+    arguments instead gave slower code (the target's batch-1 step, measured), so the graphs stay as they
     were and only the way in changes."""
 
     def __init__(self, step: functools.partial, compiled):

@@ -1,9 +1,10 @@
 """Compiled static-shape steps: one graph per (batch bucket, window, context bucket) for the target's decode
 and verify steps, so the ~30 small eager ops per layer (norms, RoPE, KV writes, attention glue) fuse.
 
-Why static shapes: a step is ~36 ms of which ~12 ms is per-op overhead on this CPU (docs/benchmarks.md).
-Inductor fuses that away only with every shape fixed: the same SmolLM2 step with dynamic batch and context
-measured 45 ms for 4 rows against 37 ms static. So each eligible step is padded to a bucket:
+Why static shapes: on a small CPU about a third of an eager step is per-op overhead (measured:
+docs/benchmarks-journal.md, "Engine decode speed (issue 4)"). Inductor fuses that away only with every
+shape fixed: the same SmolLM2 step with dynamic batch and context ran slower at 4 rows than static buckets
+(docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"). So each eligible step is padded to a bucket:
 - batch: 1, 2, 4, 8, 16, 32, 64 requests (padding requests attend to slot 0 and write to the scratch
   block, `kv_cache.scratch_slot`, which nobody reads);
 - window: every request has the same number of rows (1 for decode, S+1 for a chain, N for a tree);
@@ -15,26 +16,27 @@ The EAGLE-3 head's graphs (`tsengine/speculative/draft_graphs.py`) use the same 
 
 Graphs compile lazily, once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph
 steps; until then it runs eagerly), and are logged with their compile time; torch's FX graph cache keeps
-them on disk, so a restart recompiles a known shape in seconds, not ~40 s. Why not on the first step: a
-compile stalls every request in the batch for ~40 s, and a shape met once (an adaptive server's exploration
-step, one step in 128 at 16 requests) never earns that back: compiled on first sight, exploration stalled
-two of three timed rounds of a 16-request benchmark (7.8 and 71.7 tok/s against 132 without a compile,
-docs/benchmarks.md). A shape a fixed configuration runs is hot after two eager steps. On CUDA the
-same static step is what a CUDA graph would capture; that path is unmeasured (no GPU has run it) and off.
+them on disk, so a restart recompiles a known shape in seconds, not the better part of a minute. Why not
+on the first step: a compile stalls every request in the batch for that long, and a shape met once (an
+adaptive server's exploration step, one step in 128 at 16 requests) never earns that back: compiled on
+first sight, exploration stalled two of three timed rounds of a 16-request benchmark to a fraction of a
+round without a compile (measured: docs/benchmarks-journal.md,
+"16 requests through the server, after the age rule"). A shape a fixed configuration runs is hot after two
+eager steps. On CUDA the same static step is what a CUDA graph would capture; that path is unmeasured (no
+GPU has run it) and off.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import astuple, dataclass
 
 import torch
 
+from tsengine.cache.kv_cache import scratch_slot
 from tsengine.model.context import Context
 from tsengine.model.graph_compiler import compile_step
-from tsengine.cache.kv_cache import scratch_slot, slot
 from tsengine.model.linear import compiled_packed_ops
 
 log = logging.getLogger("tsengine")

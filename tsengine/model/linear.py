@@ -1,12 +1,13 @@
 """Matmuls for inference on CPU fp32: our few-row kernel for decode and verify steps, oneDNN pre-packed
 weights for more rows (prefill chunks), plain F.linear elsewhere (GPU, training, other dtypes).
 
-Why: MKL's sgemm on this AMD CPU runs a 4-row verify window at about half the weight bandwidth of one
-row (5 vs 11 GB/s; bench/matmul_rows.py, docs/benchmarks.md), so verifying S+1 tokens would cost two
-decode steps and speculation could never pay. oneDNN's packed kernel (packed once for an 8-row batch)
-sums each row count differently. `rows_linear` (tsengine/model/kernels/rows_linear.cpp) reads each weight once
-for every row, from its own copy laid out in panels of 16 outputs, and sums every output in the same
-order whatever the rows: a token's logits are the same bits in a decode step and in a verify window.
+Why: MKL's sgemm on the AMD CPU it was measured on runs a 4-row verify window at about half the weight
+bandwidth of one row (bench/matmul_rows.py; measured: docs/benchmarks-journal.md,
+"Engine decode speed (issue 4)"), so verifying S+1 tokens would cost two decode steps and speculation
+could never pay. oneDNN's packed kernel (packed once for an 8-row batch) sums each row count differently.
+`rows_linear` (tsengine/model/kernels/rows_linear.cpp) reads each weight once for every row, from its own
+copy laid out in panels of 16 outputs, and sums every output in the same order whatever the rows: a
+token's logits are the same bits in a decode step and in a verify window.
 Each few-row weight is held three times (the module's, oneDNN's and the panels): memory for speed, on CPU.
 
 The draft head can also run with its weights in bf16 or int8 (`accelerate(head, "bf16" | "int8")`,
@@ -38,11 +39,12 @@ _PACKED_OPS = "custom"  # how a compiled graph calls the packed matmuls: "custom
 
 
 # Inside a compiled step (tsengine/model/graphs.py) inductor cannot lower oneDNN's packed weights without freezing
-# the whole model (~30 s of compile at every start-up, no disk cache). Two ways around it, both opaque calls
+# the whole model (a full compile at every start-up, no disk cache). Two ways around it, both opaque calls
 # that keep the cached graphs valid across restarts:
-# - "fallback" (`compiled_packed_ops`): inductor calls oneDNN's own C++ op as an extern kernel, ~45 µs per
-#   call with the matmul; this reaches into inductor's lowering table, so it is tried, not assumed;
-# - "custom": the Python custom ops below, ~40 µs more per call (6 ms of a SmolLM2 verify step, measured).
+# - "fallback" (`compiled_packed_ops`): inductor calls oneDNN's own C++ op as an extern kernel, from the
+#   graph's C++ wrapper like any aten op; this reaches into inductor's lowering table, so it is tried, not assumed;
+# - "custom": the Python custom ops below, a Python wrapper on every call: enough to put a compiled SmolLM2
+#   chain below plain decoding (measured: docs/benchmarks-journal.md, "Compiled step graphs (issue 16)").
 @torch.library.custom_op("tsengine::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -94,7 +96,8 @@ def quantization_unavailable() -> str | None:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return "this torch has no oneDNN"
     if not rows_linear.available():
-        return "the few-row kernel is unavailable (it needs g++ and an AVX2/FMA CPU; TSENGINE_ROWS_LINEAR=0 turns it off)"
+        return ("the few-row kernel is unavailable (it needs g++ and an AVX2/FMA CPU; "
+                "TSENGINE_ROWS_LINEAR=0 turns it off)")
     return None
 
 
@@ -154,9 +157,9 @@ class Linear:
         return rows_linear.rows_linear(x, self.panels, self.weight.shape[0], self.bias, residual)  # fp32 or bf16
 
     def _compiled_packed(self, x: torch.Tensor) -> bool:
-        """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row,
-        25 vs 33 ms per SmolLM2 step), more rows to the packed kernel. Shapes are static there. Rows, not
-        the first dim: the head's inputs are [1, T, K]."""
+        """In a compiled graph: one row goes to MKL's sgemv (faster than the packed kernel for one row:
+        docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"), more rows to the packed kernel.
+        Shapes are static there. Rows, not the first dim: the head's inputs are [1, T, K]."""
         return x.numel() > x.shape[-1]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +176,7 @@ class Linear:
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self._fast(x):
-            # The residual add rides on the matmul (bitwise equal): one eager op less, ~10 µs on this CPU.
+            # The residual add rides on the matmul (bitwise equal): one eager op, and its dispatch, less.
             if self._rows(x):
                 return self._few(x, residual)
             if not torch.compiler.is_compiling():

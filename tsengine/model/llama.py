@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from tsengine.errors import UserError
 from tsengine.model.attention import paged_attention, write_kv
 from tsengine.model.context import Context
-from tsengine.errors import UserError
 from tsengine.model.linear import Linear
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -63,7 +63,8 @@ class Layer(nn.Module):
 
     def prepare(self) -> None:
         """After the weights are loaded: the matmuls' fast forms (see `Linear`). gate and up stay one
-        matmul: two half-size oneDNN calls cost ~30 µs more per layer than the SiLU and product they'd fuse."""
+        matmul: two half-size oneDNN calls cost more than the SiLU and product they'd fuse (measured:
+        docs/benchmarks-journal.md, "Engine decode speed (issue 4)")."""
         self.fast = {"qkv": Linear(self.qkv, self.qkv_bias), "o": Linear(self.o), "gate_up": Linear(self.gate_up),
                      "down": Linear(self.down)}
 
@@ -99,7 +100,8 @@ class ModelConfig:
         self.hidden_size, self.num_hidden_layers = hf.hidden_size, hf.num_hidden_layers
         self.num_attention_heads, self.num_key_value_heads = hf.num_attention_heads, hf.num_key_value_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.intermediate_size, self.vocab_size, self.rms_norm_eps = hf.intermediate_size, hf.vocab_size, hf.rms_norm_eps
+        self.intermediate_size, self.vocab_size = hf.intermediate_size, hf.vocab_size
+        self.rms_norm_eps = hf.rms_norm_eps
         self.max_position_embeddings = hf.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.qkv_bias = mt == "qwen2" or bool(getattr(hf, "attention_bias", False))

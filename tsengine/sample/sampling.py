@@ -103,7 +103,8 @@ def filtered_logprobs(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     return logp.scatter(-1, order, sorted_lp.masked_fill(drop, -math.inf))
 
 
-def sample(logits: torch.Tensor, rp: RowParams, positions: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, rp: RowParams, positions: torch.Tensor,
+           noise: torch.Tensor | None = None) -> torch.Tensor:
     """[R, V] logits -> [R] token ids. `positions` [R]: the absolute position of the token drawn. `noise`:
     the rows' Gumbel noise when the caller already has it (it must equal gumbel(seeds, positions))."""
     greedy = logits.argmax(dim=-1)

@@ -51,7 +51,8 @@ def _residual_draw(dist: torch.Tensor, fallback: torch.Tensor, seeds: torch.Tens
     hi, lo = (uniform(seeds, pos, 1, stream=s)[:, 0].double() for s in (RESIDUAL, RESIDUAL_LO))
     u = ((torch.floor(hi * (1 << 23)) + lo) * 2.0 ** -23).view(w, n, 1) * cdf[..., -1:]
     idx = torch.searchsorted(cdf, u, right=True)  # the first id whose CDF exceeds u: it has mass
-    last = v - 1 - (dist.flip(-1) > 0).int().argmax(-1, keepdim=True)  # u rounded up to the total: the last id with mass
+    # u rounded up to the total: the last id with mass
+    last = v - 1 - (dist.flip(-1) > 0).int().argmax(-1, keepdim=True)
     return torch.minimum(idx, last)[..., 0]
 
 
@@ -145,9 +146,10 @@ class Verifier:
                 params.extend([s.seq.params] * rows)
                 seeds.extend([s.seq.seed] * rows)
         rp, pos, w = RowParams.build(params, seeds, self.device), forward.draw_positions, forward.windows
-        # NaN/inf never reach argmax or sampling. One pass over the logits (a NaN or ±inf anywhere in a row
-        # makes its sum non-finite; isfinite(...).all(-1) took four, ~0.4 ms a step at 49k vocab): a row of
-        # finite logits so large that their sum overflows fp32 (|logit| ~1e34) also fails, as a broken row.
+        # NaN/inf never reach argmax or sampling. One pass over the logits: a NaN or ±inf anywhere in a row
+        # makes its sum non-finite (isfinite(...).all(-1) took four passes, a measurable share of a batch-1 step
+        # over a large vocab: docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"). A row of finite
+        # logits so large that their sum overflows fp32 (|logit| ~1e34) also fails, as a broken row.
         finite = torch.isfinite(forward.logits.sum(-1))
         forward.logits.masked_fill_(~finite[:, None], 0.0)  # such rows draw from zeros and their run fails
         noise = None

@@ -5,8 +5,9 @@ the extension has just written) and at p + 1..p + s (the chain's earlier steps).
 read again: the next extension rewrites positions from p + 1 on with the committed tokens' rows, and a
 request's `draft_cached` never counts them. So the chain keeps them as tensors of its own. That is what
 lets one compiled graph run the extension and the whole chain: a graph that writes the cache more than once
-makes inductor copy the whole cache (14 ms for two of SmolLM2's head steps, measured), one write stays in
-place. The past is gathered once per chain, not once per step.
+makes inductor copy the whole cache (several times what the same head steps cost as graphs of their own;
+measured: docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"), one write stays in place. The
+past is gathered once per chain, not once per step.
 
 Semantics (the same as `attention.paged_attention` over the cache written step by step): the query of step
 s attends to cache positions 0..p of its request and to the chain's keys 1..s. Torch SDPA on every backend:

@@ -4,13 +4,14 @@
 The EAGLE-3 head has graphs of its own (`DraftGraphs`). A greedy step where every request drafts a chain is one
 graph: the head's extension over each request's committed rows, padded to a window of 1, 4 or 8 rows (the rows
 a step commits change every step, the window does not), then the whole chain, whose KV stays inside the graph
-(tsengine/speculative/chain_kv.py: the extension is the graph's one cache write). Measured at batch 1 with the int8
-head, chain of 3: 4.7 → 3.7 ms of drafting per step against one graph per chain step (docs/benchmarks.md,
-"One graph for the draft"). After an extension that runs eagerly (it fits no graph, or some request does
-not draft) the chain alone is a graph. The extension alone is one only opt-in (`TSENGINE_EXTEND_GRAPHS=1`,
-for trees and sampled rows): it showed no gain (chain 1 at 16 requests: 0.83× plain with it, 0.85× before).
-The one-graph draft brings back what issue 15 blamed it for: more shapes (batch × window × context × chain
-length) that compile lazily, which stalled an adaptive server's timed rounds (docs/benchmarks.md); the
+(tsengine/speculative/chain_kv.py: the extension is the graph's one cache write). At batch 1 (int8 head,
+chain of 3) it took about a fifth off drafting per step against one graph per chain step (measured:
+docs/benchmarks-journal.md, "One graph for the draft"). After an extension that runs eagerly (it fits no
+graph, or some request does not draft) the chain alone is a graph. The extension alone is one only opt-in
+(`TSENGINE_EXTEND_GRAPHS=1`, for trees and sampled rows): it showed no gain (a fixed chain of 1 at 16
+requests ran no faster with it). The one-graph draft brings back what issue 15 blamed it for: more
+shapes (batch × window × context × chain length) that compile lazily, which stalled an adaptive server's
+timed rounds (both: docs/benchmarks-journal.md, "16 requests through the server, after the age rule"); the
 heat rule below keeps rare ones eager.
 """
 

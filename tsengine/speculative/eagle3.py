@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from tsengine.eagle3.head import Eagle3Head
 from tsengine.model.attention import paged_attention, write_kv
 from tsengine.model.context import Context
-from tsengine.eagle3.head import Eagle3Head
 from tsengine.model.linear import accelerate
 from tsengine.sample.sampling import RowParams, filtered_logprobs, gumbel
 from tsengine.speculative.chain_kv import ChainKV
@@ -43,7 +43,7 @@ class Eagle3Proposer(Proposer):
         self.topk, self.num_nodes, self.rule = topk, num_nodes or num_steps + 1, rule
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
-        self.graphs = None  # tsengine.speculative.draft_graphs.DraftGraphs: greedy drafting (and, opt-in, extension), compiled
+        self.graphs = None  # DraftGraphs (draft_graphs.py): greedy drafting (and, opt-in, extension), compiled
 
     def propose(self, proposal: Proposal, steps: int | None = None, tree: tuple[int, int, int] | None = None,
                 only: list[bool] | None = None) -> list[Drafts | None]:

@@ -8,7 +8,7 @@ verifying guesses it has no reason to make.
 
 `propose` is the rule written as a search (the oracle); `NgramIndex` answers the same question from a
 dict of every n-gram's latest start, updated by the tokens each step appends, because the search costs
-O(context) per request per step: ~1 ms at 500 tokens, which at 64 requests is a quarter of a step.
+O(context) per request per step, which at long contexts and many requests is a large share of a step.
 """
 
 from __future__ import annotations

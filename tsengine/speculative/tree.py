@@ -83,7 +83,8 @@ class TreeBuilder:
         self.parent = torch.full((batch, c), -1, dtype=torch.long, device=device)
         self.key = torch.zeros(batch, c, dtype=torch.long, device=device)
         self.depth = torch.cat([torch.ones(topk, dtype=torch.long)] +
-                               [torch.full((topk * topk,), s + 1, dtype=torch.long) for s in range(1, steps)]).to(device)
+                               [torch.full((topk * topk,), s + 1, dtype=torch.long)
+                                for s in range(1, steps)]).to(device)
         self.made = 0  # candidates so far
         self.frontier = None  # [B, K] candidate ids to feed next
         self.lane_bits = torch.zeros(batch, topk, dtype=torch.long, device=device)  # of the frontier's parents

@@ -4,8 +4,8 @@ Every answer that is not a success has OpenAI's error shape, so OpenAI clients r
 exceptions: a user's mistake is a 400 naming the field (pydantic's 422 is turned into it), a missing or
 wrong key a 401, a body over the cap 413, a full queue 429, an engine-wide failure or a draining server
 503 (a generic message and the request id: the log has the rest), and only bugs a 500. /openapi.json
-documents exactly these. What a completion request does is tsengine.entrypoints.openai.completions; the guards in front of it
-are tsengine.entrypoints.openai.guards; shutdown is tsengine.entrypoints.openai.shutdown.
+documents exactly these. What a completion request does is `completions.py`; the guards in front of it are
+`guards.py`; shutdown is `shutdown.py`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from tsengine.config import EngineConfig
 from tsengine.entrypoints.openai import protocol as proto
 from tsengine.entrypoints.openai.async_engine import AsyncEngine, EngineError
 from tsengine.entrypoints.openai.completions import Completions, engine_failure
-from tsengine.config import EngineConfig
 from tsengine.entrypoints.openai.guards import ApiKey, BodyLimit, RequestId, error_response
 from tsengine.entrypoints.openai.protocol import APIError
 from tsengine.entrypoints.openai.settings import ServerSettings
@@ -53,7 +53,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         field = str(loc[0]) if isinstance(loc[0], str) else None
         where = ".".join(str(x) for x in loc)
         msg = {"extra_forbidden": "unknown field",  # pydantic's own words for a lone surrogate say less
-               "string_unicode": "contains a lone UTF-16 surrogate, which is not valid Unicode"}.get(err["type"], err["msg"])
+               "string_unicode": "contains a lone UTF-16 surrogate, which is not valid Unicode",
+               }.get(err["type"], err["msg"])
         got = f" (got {_short(err['input'])})" if err["type"] != "missing" else ""
         return error_response(400, f"{where}: {msg}{got}", field)
 
@@ -137,7 +138,7 @@ def _short(value, limit: int = 200) -> str:
 
 def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Build the engine, serve until a signal. Binds loopback unless told otherwise: no key by default."""
-    from tsengine.engine.core import Engine
+    from tsengine.engine import Engine
     from tsengine.entrypoints.openai.shutdown import run_until_drained
 
     engine = AsyncEngine(lambda: Engine(config))  # built on the engine thread: see async_engine

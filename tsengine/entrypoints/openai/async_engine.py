@@ -16,8 +16,9 @@ and later requests fail at once. The error clients see names no internals: the l
 
 Give a factory rather than an Engine and the engine is built on its own thread. On CPU that matters:
 libgomp throttles its workers' spin-wait as soon as more threads sit in OpenMP pools than there are cores,
-so a model loaded on the main thread and stepped on another decodes ~35% slower on 2 cores (measured:
-docs/benchmarks.md). Built and stepped on one thread, the process has one pool.
+so a model loaded on the main thread and stepped on another decodes far slower on 2 cores (measured:
+docs/benchmarks-journal.md, "Server throughput (issue 4)"). Built and stepped on one thread, the process
+has one pool.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import queue
 import threading
 from typing import AsyncIterator, Callable
 
-from tsengine.engine.core import Engine, StepOutput
+from tsengine.engine import Engine, StepOutput
 from tsengine.sampling_params import SamplingParams
 
 log = logging.getLogger("tsengine")

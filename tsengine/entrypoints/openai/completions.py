@@ -26,15 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tsengine.entrypoints.fanout import fan_out
 from tsengine.entrypoints.openai import protocol as proto
 from tsengine.entrypoints.openai.async_engine import AsyncEngine, EngineError
 from tsengine.entrypoints.openai.detokenize import ChoiceText
-from tsengine.errors import UserError
-from tsengine.entrypoints.fanout import fan_out
-from tsengine.entrypoints.openai.protocol import APIError
 from tsengine.entrypoints.openai.prometheus import PrometheusMetrics
-from tsengine.sampling_params import SamplingParams
+from tsengine.entrypoints.openai.protocol import APIError
 from tsengine.entrypoints.openai.settings import ServerSettings
+from tsengine.errors import UserError
+from tsengine.sampling_params import SamplingParams
 
 log = logging.getLogger("tsengine.entrypoints.openai.app")
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tsengine.entrypoints.openai import protocol as proto
+
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+
 class _EngineCollector:
     """Engine counters read at scrape time (ints written by the engine thread; a read is atomic)."""
 
@@ -67,8 +68,8 @@ def _policy_metrics(policy):
         trees.add_metric([arm.name.split()[1]], mean.mean)
     yield trees
     cost = GaugeMetricFamily("tsengine:spec_decode_cost_model_seconds", "Fitted step-cost models (seconds per "
-                             "unit): the target's forward, the head's extension and drafting, and prompt lookup with the "
-                             "decision.", labels=["part", "term"])
+                             "unit): the target's forward, the head's extension and drafting, and prompt lookup "
+                             "with the decision.", labels=["part", "term"])
     for part, model in (("target", policy.target_cost), ("draft", policy.draft_cost),
                         ("overhead", policy.overhead_cost)):
         for term, value in zip(model.names, model.theta):

@@ -70,7 +70,7 @@ class _SamplingRequest(_Strict):
         return self.max_tokens
 
     def sampling_params(self, prompt_len: int, max_model_len: int, default_max_tokens: int) -> SamplingParams:
-        """The request's sampling, all `n` choices in one (tsengine.entrypoints.fanout splits them as `LLM.generate` does);
+        """The request's sampling, all `n` choices in one (`entrypoints/fanout.py` splits them as `LLM.generate` does);
         without max_tokens, the server's default, cut to what the context leaves."""
         max_tokens = min(self.requested_max_tokens or default_max_tokens, max_model_len - prompt_len)
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,

@@ -2,8 +2,8 @@
 each weight once, for decode and verify steps on an AVX2 CPU, from weights stored once as `panels()`. Why it
 exists and why that layout: the .cpp's header.
 
-Built once per machine by torch's C++ extension loader (~30 s with g++; cached by source hash under
-torch's extensions directory, so later start-ups load it in milliseconds). Where it cannot be built (no
+Built once per machine by torch's C++ extension loader (a one-off g++ compile; cached by source hash under
+torch's extensions directory, so later start-ups load it at once). Where it cannot be built (no
 compiler, no AVX2/FMA, another OS), `available()` says so and the engine keeps oneDNN's packed kernel.
 """
 
@@ -18,7 +18,9 @@ import torch
 
 log = logging.getLogger("tsengine")
 
-MAX_ROWS = 8  # above this oneDNN's blocked kernel is faster (12 rows: 37.6 vs 34.4 ms for SmolLM2, bench/matmul_rows.py)
+# above this oneDNN's blocked kernel is faster
+# (bench/matmul_rows.py; docs/benchmarks-journal.md, "Compiled step graphs (issue 16)")
+MAX_ROWS = 8
 
 
 def _cpu_has_avx2() -> bool:
@@ -73,7 +75,9 @@ def rows_linear(x: torch.Tensor, weight_panels: torch.Tensor, out_features: int,
     return torch.ops.tsengine_cpu.rows_linear(x, weight_panels, out_features, bias, residual)
 
 
-def rows_linear_int8(x: torch.Tensor, weight_panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+def rows_linear_int8(x: torch.Tensor, weight_panels: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None,
                      residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight_panels` = panels(q) of int8 q [N, K] with `scale` fp32 [N]: y = scale * (x @ q^T) (+ bias) (+ residual)."""
+    """`weight_panels` = panels(q) of int8 q [N, K] with `scale` fp32 [N]:
+    y = scale * (x @ q^T) (+ bias) (+ residual)."""
     return torch.ops.tsengine_cpu.rows_linear_int8(x, weight_panels, scale, bias, residual)

@@ -129,10 +129,11 @@ class Correction:
     """Per (plan kind, batch bucket): realized / predicted tokens, as a ratio of decayed sums, from 1.
 
     A ratio of sums, not a mean of per-step ratios: one step of a chain commits 1 to k + 1 tokens, so its
-    own ratio swings by ±50%. A running mean of those (weight 0.15, the first revision) wandered ±13%,
-    more than `MARGIN`, and a kind that drifted low stopped being chosen and stayed low (it learns only
-    when chosen): at batch 1 every speculative kind sat at 0.72–0.87 while its steps delivered 1.2× plain
-    (measured, docs/benchmarks.md). `prior` pseudo-steps at ratio 1 keep a barely tried kind near 1."""
+    own ratio swings widely. A running mean of those (weight 0.15, the first revision) wandered by more than
+    `MARGIN`, and a kind that drifted low stopped being chosen and stayed low (it learns only when chosen):
+    at batch 1 every speculative kind sat well below 1 while its steps delivered more than plain's (measured:
+    docs/benchmarks-journal.md, "With compiled step graphs (the default since issue 16)"). `prior`
+    pseudo-steps at ratio 1 keep a barely tried kind near 1."""
 
     def __init__(self, weight: float = 0.02, prior: float = 4.0):
         self.weight, self.prior, self.sums = weight, prior, {}

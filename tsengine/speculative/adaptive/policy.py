@@ -1,7 +1,7 @@
 """Adaptive speculation: every step, the way of running the next step that maximises its predicted tokens per
-second, from acceptance and costs measured while serving (`tsengine/speculative/adaptive/estimates.py`); the plan is run by
-`tsengine/speculative/adaptive/proposer.py`. Why each rule below is shaped as it is (the measurements that forced
-it) and the tests that guard it: docs/design/adaptive.md. In short:
+second, from acceptance and costs measured while serving (`estimates.py`); the plan is run by `proposer.py`.
+Why each rule below is shaped as it is (the measurements that forced it) and the tests that guard it:
+docs/design/adaptive.md. In short:
 
 - Choices (`Arm`): plain; an EAGLE-3 chain of k = 1..S, each request drafting from the head, from prompt
   lookup or not at all, whichever its own record says commits more (not at all: plainly, or padded to keep
@@ -24,8 +24,15 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from tsengine.speculative.adaptive.estimates import (
+    Acceptance,
+    Correction,
+    LinearCost,
+    MeanTokens,
+    PerRequest,
+    RunningMean,
+)
 from tsengine.speculative.drafts import Proposal
-from tsengine.speculative.adaptive.estimates import Acceptance, Correction, LinearCost, MeanTokens, PerRequest, RunningMean
 
 SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
@@ -33,9 +40,9 @@ MARGIN = 1.05  # speculation must be predicted this much faster than plain decod
 TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
 # A request with nothing worth drafting inside a chain step drafts its last token repeated (`PAD`) where that
 # makes the step uniform: a step mixing plain decodes with verify windows runs eagerly (tsengine/model/graphs.py),
-# and at 4 requests a round whose chain steps left half their requests plain ran at 0.78x plain, where the
-# fixed chain of 1 ran at 1.08x (docs/benchmarks.md, ninth run). Only where drafts without a q can be verified
-# (not under the rejection rule, where `ngram` is off too).
+# and at 4 requests a round whose chain steps left half their requests plain ran well below plain, where the
+# fixed chain of 1 ran above it (measured: docs/benchmarks-journal.md, "The head extends lazily: all four levels").
+# Only where drafts without a q can be verified (not under the rejection rule, where `ngram` is off too).
 PAD = "pad"
 
 
@@ -98,9 +105,9 @@ class AdaptivePolicy:
         self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
         # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
         # eagerly: tsengine/model/graphs.py), and the one-row step apart: it runs MKL's sgemv, the others oneDNN's
-        # packed kernel with a ~5 ms higher floor (tsengine/model/linear.py). An indicator for it in the line was
+        # packed kernel with a higher floor (tsengine/model/linear.py). An indicator for it in the line was
         # tried: at batch 1 with the head drafting, one-row steps are rare, and the line's intercept drifted
-        # until plain decoding was predicted 27% slower than it ran.
+        # until plain decoding was predicted far slower than it ran.
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
         self.one_row = RunningMean()
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
@@ -150,8 +157,8 @@ class AdaptivePolicy:
             # a step whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`): its cost is the
             # line's eager term, not what its arm delivers once chosen, so the arm's correction skips it
             cold = self.graphs_seen and not proposal.graph and not mixed
-            # a warm-up step was priced by lines fitted from nothing: a chain of 1 at 16 requests, promised
-            # 2,963 tok/s, kept a ratio of 0.28 for good (a kind learns only when chosen)
+            # a warm-up step was priced by lines fitted from nothing: a chain of 1 at 16 requests, promised many
+            # times what any step delivers, kept a ratio far below 1 for good (a kind learns only when chosen)
             warm_up = self.decisions <= len(self.arms)
             if (last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None
                     and not cold and not warm_up):
@@ -317,8 +324,9 @@ class AdaptivePolicy:
         ages = [st.age if st else 0 for st in stats]
         known = bool(remaining) and len(remaining) > 1 and None not in remaining
         # `MARGIN` where the batch thins out with nothing to refill it. Started apart, a client's next request
-        # is likely to take a freed slot: at 4 requests so sent, the margin held a chain of 1 that ran 10%
-        # faster per step than plain decoding (predicted 2-5%) to plain on 243 of 1,000 steps (traced).
+        # is likely to take a freed slot: at 4 requests so sent, the margin held a chain of 1 that ran faster
+        # per step than plain decoding, but was predicted inside the margin, to plain on about a quarter of the
+        # steps (traced: docs/benchmarks-journal.md, "The margin only for batches that started together: 4 requests").
         self._ragged = len(stats) > 1 and not queued and max(ages) - min(ages) <= TOGETHER
         self._together = known and self._ragged
         plan = self._decide(stats, found)
@@ -337,7 +345,8 @@ class AdaptivePolicy:
         plans = self.candidates(stats, found)
         best = self._best(plans)
         # a step off the best costs a batch of B requests ~B rows of waste, and an arm rarely run may compile
-        # a graph: at 16 requests, exploring every 32 decisions cost ~3% of the plain steps it interrupted
+        # a graph: at 16 requests, exploring every 32 decisions cost a visible share of the plain steps it
+        # interrupted (docs/benchmarks-journal.md, "Where the adaptive server loses at 16 requests")
         if self.decisions % (self.explore_every * max(1, batch // 4)):
             return best
         near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]

@@ -1,4 +1,4 @@
-"""Runs the plan adaptive speculation chooses each step (`tsengine/speculative/adaptive/policy.py`): the EAGLE-3 proposer
+"""Runs the plan adaptive speculation chooses each step (`policy.py`): the EAGLE-3 proposer
 drafts for the requests assigned to it (a chain or a tree), prompt lookup for the others, and the step's
 costs and acceptance go back to the policy."""
 
@@ -64,9 +64,10 @@ class AdaptiveProposer(Proposer):
     def _between(self, proposal: Proposal) -> float | None:
         """The last step's seconds outside the forward and the drafter: commit, outputs, the server's loop,
         the next schedule. Every step pays them, so a plan that commits more tokens per step saves them
-        (through the server, ~3.5 ms of a ~31 ms one-row step by the difference from in-process runs,
-        where plain decoding and prompt lookup ran level). None where unknown or where the gap was the
-        engine idling for requests."""
+        (through the server, a noticeable share of a one-row step by the difference from in-process runs,
+        where plain decoding and prompt lookup ran level: docs/benchmarks-journal.md,
+        "Tokens counted by the time they save"). None where unknown or where the gap was the engine idling
+        for requests."""
         if self._done_at is None or proposal.target_seconds <= 0:
             return None
         between = time.perf_counter() - self._done_at - proposal.target_seconds
@@ -124,8 +125,9 @@ class AdaptiveProposer(Proposer):
     def _catch_up(self, runs: list[Committed]) -> float:
         """Extend over the rows kept for `runs`' requests, in a pass of its own; their backlogs are spent.
         Timed apart (its seconds returned): it is the deferred cost of the steps that kept the rows, and
-        priced into this step's plan it made the head look ~3x dearer than it is step to step (traced at 4
-        requests: 21 ms against 6.6), and a server stopped choosing a chain that ran at 1.17x plain per step."""
+        priced into this step's plan it made the head look several times dearer than it is step to step
+        (traced at 4 requests), and a server stopped choosing a chain that ran faster than plain per step
+        (docs/benchmarks-journal.md, "The head extends lazily: all four levels")."""
         behind, parts, at = [], [], 0
         for c in runs:
             backlog, c.seq.spec_stats.backlog = c.seq.spec_stats.backlog, None
@@ -147,10 +149,11 @@ class AdaptiveProposer(Proposer):
 class Backlog:
     """Target features of positions [start, start + rows) the head has not extended over yet: it extends
     over a request's rows only when it drafts for it. Extended every step instead (the first version), its
-    upkeep (~4 ms of a ~36 ms step at 4 requests, eager) was paid by plain steps too, so the policy had to
-    switch the head off where it did not pay, and a request that ran while it was off had a hole in the
-    head's cache and never drafted from it again: at 1 request the head went off and on every ~30-240
-    decisions (off while prompt lookup found matches), each switch costing it the rest of the request."""
+    upkeep (a noticeable share of an eager step at 4 requests) was paid by plain steps too, so the policy
+    had to switch the head off where it did not pay, and a request that ran while it was off had a hole in
+    the head's cache and never drafted from it again: at 1 request the head went off and on every few dozen
+    to few hundred decisions (off while prompt lookup found matches), each switch costing it the rest of the
+    request (traced: docs/benchmarks-journal.md, "The head extends lazily: all four levels")."""
 
     start: int
     parts: list = field(default_factory=list)  # [rows, A] tensors of target features, in position order
