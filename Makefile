@@ -41,8 +41,8 @@ test-all: $(STAMP)
 # The engine's losslessness tests with compiled step graphs (the default outside tests; ~10 s per new
 # graph shape on first use, cached after): tests/conftest.py makes the default suite eager.
 test-compiled: $(STAMP)
-	TSENGINE_ENFORCE_EAGER=0 $(PY) -m pytest -m "not slow" tests/test_engine.py tests/test_engine_tree.py tests/test_adaptive.py tests/test_graphs.py \
-		tests/test_draft_quantization.py
+	TSENGINE_ENFORCE_EAGER=0 $(PY) -m pytest -m "not slow" tests/engine/test_engine.py tests/engine/test_engine_tree.py tests/speculative/test_adaptive.py tests/model/test_graphs.py \
+		tests/speculative/test_draft_quantization.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,5 +17,5 @@ fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 "${PY:=python3}" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" \
   || { echo "gpu_check: no GPU here; stopping before the GPU steps"; exit 3; }
-timeout 240 "$PY" -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
+timeout 240 "$PY" -m pytest -q -m cuda tests/engine/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
 timeout 360 "$PY" bench/gpu_speed.py --out "$OUT/gpu_speed.json" 2>&1 | tee "$OUT/gpu_speed.log"

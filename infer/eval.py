@@ -17,7 +17,7 @@ committed k tokens (bonus included, cut at EOS or the token limit), so it sums t
 Backends. `engine` (default) runs all prompts of a shape as one continuously batched greedy run through
 tsengine's engine: seconds where the reference takes minutes (SmolLM2, 2 CPU cores). Batching leaves τ
 unchanged: greedy output is per request, and the engine's drafts equal the reference drafter's for the
-same committed tokens (tests/test_engine_tree.py). The reference generator stays the oracle: per shape,
+same committed tokens (tests/engine/test_engine_tree.py). The reference generator stays the oracle: per shape,
 `--oracle-prompts` of the prompts (default 2, evenly spaced; 0 turns it off) are generated again with
 `tsengine.infer.reference` and their tokens compared with the engine's. A difference is an error (exit 1), except a
 first divergence at a near-tie of the target's logits (top-2 within 1e-4 relative: the engine's fp32

@@ -10,7 +10,7 @@ HF transformers forward over everything each time, trees as Python lists. One ve
             committed prefix and their ancestors, at position = prefix length + depth
     accept: walk from the root while the target's argmax equals a child; then one bonus token
 
-Invariant (tests/test_reference.py): for any head, output == plain greedy decoding of the target.
+Invariant (tests/infer/test_reference.py): for any head, output == plain greedy decoding of the target.
 """
 
 from __future__ import annotations

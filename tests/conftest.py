@@ -10,13 +10,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernels run interpreted here
 # Engines run eagerly in the default suite: a compiled step graph costs ~10 s per shape here on first use.
-# tests/test_graphs.py runs the invariants in both modes; `make test-compiled` runs the engine tests compiled.
+# tests/model/test_graphs.py runs the invariants in both modes; `make test-compiled` runs the engine tests compiled.
 os.environ.setdefault("TSENGINE_ENFORCE_EAGER", "1")
 
 import pytest
 import torch
 
-from tests.helpers import random_head
+from tests.helpers.heads import random_head
 from tests.tiny import make_target
 from tsengine.eagle3.format import save_head
 

@@ -1,6 +1,6 @@
 """Test-only oracles: slow, obviously correct versions of what the fast code computes, used nowhere but
 tests/. The training unroll and loss (`tsengine/train/ttt.py`, `tsengine/train/loss.py`) are checked in
-tests/test_ttt.py against per-position loops; the paged attention backends in tests/test_triton_attention.py
+tests/train/test_ttt.py against per-position loops; the paged attention backends in tests/model/test_triton_attention.py
 against a dense float64 loop.
 """
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tsengine.eagle3.head import Eagle3Head
 
 
-# ---- training (tests/test_ttt.py) -----------------------------------------------------------------------------
+# ---- training (tests/train/test_ttt.py) -----------------------------------------------------------------------------
 @torch.no_grad()
 def naive_unroll(head: Eagle3Head, embed: torch.Tensor, hidden0: torch.Tensor, input_ids: torch.Tensor,
                  steps: int) -> list[torch.Tensor]:
@@ -58,7 +58,7 @@ def naive_step_loss(head, out, final, loss_mask, target_argmax, target_lm_rows, 
     return (total / n if n else torch.tensor(0.0)), n, correct
 
 
-# ---- attention (tests/test_triton_attention.py) ---------------------------------------------------------------
+# ---- attention (tests/model/test_triton_attention.py) ---------------------------------------------------------------
 def dense_attention(q, k_cache, v_cache, ctx, scale):
     """The oracle of the paged attention backends (torch and Triton). Plain loop in float64: per token,
     gather its request's keys 0..position through the block table."""

@@ -276,44 +276,48 @@ def test_every_package_is_in_the_wheel():
 
 
 def _test_module_imports(tests_dir: Path) -> list[str]:
-    """Every import of tests.conftest or of a tests.test_* module by a file of `tests_dir`."""
-    files = {f"tests.{f.stem}": f for f in sorted(tests_dir.glob("*.py"))}
+    """Every import of a conftest or of a test_* module (at any folder depth) by a file of `tests_dir`."""
+    files = {".".join(("tests", *f.relative_to(tests_dir).with_suffix("").parts)): f
+             for f in sorted(tests_dir.rglob("*.py"))}
     bad = []
     for module, path in files.items():
         for line, target in _imports(module, path, set(files)):
             parts = target.split(".")
-            if parts[0] == "tests" and len(parts) > 1 and (parts[1] == "conftest" or parts[1].startswith("test_")):
-                bad.append(f"{path.name}:{line} imports {target}")
+            if parts[0] == "tests" and any(p == "conftest" or p.startswith("test_") for p in parts[1:]):
+                bad.append(f"{path.relative_to(tests_dir)}:{line} imports {target}")
     return bad
 
 
 def test_tests_import_no_test_module():
-    """Tests share code through tests/helpers.py (plain helpers), tests/tiny.py (tiny targets) and
+    """Tests share code through tests/helpers/ (plain helpers, a module per subject), tests/tiny.py (tiny targets) and
     tests/oracles.py (test-only oracles), and fixtures through tests/conftest.py, which pytest finds without
     an import. A test module never imports conftest or another test module: pytest imports those itself,
     under their own names, so such an import loads a second copy, and it ties one file's tests to another
     test file's code."""
     bad = _test_module_imports(REPO / "tests")
     assert not bad, ("a test module imports conftest or another test module (move what it needs to "
-                     "tests/conftest.py if a fixture, tests/helpers.py or tests/oracles.py otherwise):\n"
+                     "tests/conftest.py if a fixture, tests/helpers/ or tests/oracles.py otherwise):\n"
                      + "\n".join(bad))
 
 
 def test_every_test_import_form_is_read(tmp_path):
-    """Absolute, `from tests import`, relative and late (in-function) imports of a test module all count;
-    the helper modules do not."""
-    for name in ("conftest", "test_a", "helpers", "tiny", "oracles"):
+    """Absolute, `from tests import`, relative and late (in-function) imports of a test module all count, in
+    a test folder too; the helper modules do not."""
+    for name in ("conftest", "test_a", "tiny", "oracles", "helpers/__init__", "helpers/engine", "engine/test_c"):
+        (tmp_path / f"{name}.py").parent.mkdir(exist_ok=True)
         (tmp_path / f"{name}.py").write_text("")
     (tmp_path / "test_b.py").write_text("import tests.test_a\n"
                                         "from tests.conftest import x\n"
                                         "from tests import test_a, helpers\n"
                                         "from . import conftest\n"
                                         "from .test_a import y\n"
-                                        "from tests.helpers import z\n"
+                                        "from tests.helpers.engine import z\n"
                                         "from tests.oracles import o\n"
                                         "from tests.tiny import make_target\n"
                                         "def late():\n"
-                                        "    from tests.test_a import w\n")
+                                        "    from tests.test_a import w\n"
+                                        "from tests.engine.test_c import v\n")
     assert _test_module_imports(tmp_path) == [
         "test_b.py:1 imports tests.test_a", "test_b.py:2 imports tests.conftest", "test_b.py:3 imports tests.test_a",
-        "test_b.py:4 imports tests.conftest", "test_b.py:5 imports tests.test_a", "test_b.py:10 imports tests.test_a"]
+        "test_b.py:4 imports tests.conftest", "test_b.py:5 imports tests.test_a",
+        "test_b.py:11 imports tests.engine.test_c", "test_b.py:10 imports tests.test_a"]  # ast.walk: outer first

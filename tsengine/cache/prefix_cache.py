@@ -9,7 +9,7 @@ What a block's key carries, and why:
     token of the next block. Two prompts equal up to a block boundary and different right after it share
     the target KV of that block but not its last draft slot. With the token in the key, every slot of a
     hit block is valid in both caches and nothing is recomputed; without it, the last draft slot would be
-    silently stale (tests/test_prefix_cache.py::test_key_without_next_token_is_caught). Plain and NGRAM
+    silently stale (tests/cache/test_prefix_cache.py::test_key_without_next_token_is_caught). Plain and NGRAM
     engines use the same key: it loses a hit only where two prompts diverge exactly at a boundary;
   - a salt naming the target, the head and the dtype (`salt`): one engine holds one of each today, but a
     key that could be confused across them would return another model's KV.

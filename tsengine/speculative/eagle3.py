@@ -4,7 +4,7 @@ Position bookkeeping (the same as infer/reference.py): the head's input at draft
 (embedding of token t+1, target features of position t), so after the target has cached positions
 [a, b) the head extends its own cache over [a, b) with tokens a+1..b. Token b is the next *prompt* token
 when [a, b) is a non-final prefill chunk (the chunk-boundary case vLLM and SGLang both once got wrong:
-tests/test_engine.py::test_chunked_prefill_eagle) and the freshly sampled token otherwise. The last
+tests/engine/test_engine.py::test_chunked_prefill_eagle) and the freshly sampled token otherwise. The last
 extended row then starts the chain: step k feeds (draft k-1, the head's own output) at the next position.
 
 With eagle_topk K > 1 the head grows an EAGLE-2 dynamic tree instead (`tsengine/speculative/tree.py`): the

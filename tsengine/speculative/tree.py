@@ -1,6 +1,6 @@
 """EAGLE-2 dynamic draft trees, built for a whole batch at once with no host sync.
 
-The rule (the same as `infer/reference.py`, which is the oracle in tests/test_tree.py):
+The rule (the same as `infer/reference.py`, which is the oracle in tests/speculative/test_tree.py):
   step 0      the K best children of the root;
   step s ≥ 1  expand the K best candidates made at step s-1 (by cumulative log-probability), K children
               each, so K + (S-1)·K² candidates in all;

@@ -5,7 +5,8 @@
 // of one; oneDNN's packed kernel is faster at 4 rows than at 1 and sums differently for each row count
 // (docs/benchmarks-journal.md, "Compiled step graphs (issue 16)"). Here the weights are stored once in
 // panels of 16 output features, k-major ([N/16][K][16], `panels()` in rows_linear.py), so each thread
-// streams one contiguous region: at every k one 64-byte line of weights meets every input row (a broadcast from L1) in 16 lanes, one per output.
+// streams one contiguous region: at every k one 64-byte line of weights meets every input row (a
+// broadcast from L1) in 16 lanes, one per output.
 //
 // Batch invariance, on purpose: y[m, n] is one lane's sum over k in order 0..K-1 (one FMA a step), whatever
 // the number of rows, wherever row m sits and however rows are blocked, so a token's logits are bitwise

@@ -15,7 +15,7 @@ docs/design/adaptive.md. In short:
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up.
 
 Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's
-(tests/test_adaptive.py forces random plans through `AdaptivePolicy.choose`).
+(tests/speculative/test_adaptive.py forces random plans through `AdaptivePolicy.choose`).
 """
 
 from __future__ import annotations

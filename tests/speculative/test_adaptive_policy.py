@@ -1,0 +1,256 @@
+"""Adaptive speculation's policy alone (tsengine/speculative/adaptive/policy.py,
+tsengine/speculative/adaptive/estimates.py, issue 15): the fitted costs and acceptance it measures, and the choices
+it makes from them, on policies fed by hand. The engine-level tests (losslessness under any decisions, the head's
+lazy extension) are tests/speculative/test_adaptive.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from tsengine.sampling_params import SamplingParams
+from tsengine.sequence import Sequence
+from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
+from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan
+from tsengine.speculative.adaptive.proposer import known_remaining
+from tsengine.speculative.drafts import Proposal
+
+
+def test_linear_cost_recovers_a_line():
+    model = LinearCost(("base", "per_row"), forget=1.0)
+    for rows in range(1, 60):
+        model.update([1.0, rows], 0.01 + 0.002 * rows)
+    assert model.theta == pytest.approx([0.01, 0.002], rel=1e-3)
+    assert model.predict([1.0, 100]) == pytest.approx(0.21, rel=1e-3)
+
+
+def test_linear_cost_holds_still_on_one_shape():
+    """With forgetting, 2,000 steps of one row count leave the other direction unexcited; the capped
+    covariance keeps the fitted line where it was, so one step of another shape cannot swing it."""
+    model = LinearCost(("base", "per_row"), forget=0.99)
+    for rows in list(range(1, 30)) * 3:
+        model.update([1.0, rows], 0.01 + 0.002 * rows)
+    for _ in range(2000):
+        model.update([1.0, 8], 0.01 + 0.002 * 8)
+    model.update([1.0, 32], 0.01 + 0.002 * 32 + 0.005)  # one noisy step elsewhere
+    assert model.predict([1.0, 4]) == pytest.approx(0.018, rel=0.1)
+    assert float(model.p.diagonal().max()) <= model.prior
+
+
+def test_acceptance_counts_the_accepted_run():
+    a = Acceptance(3, prior=0)
+    a.observe(3, 1)  # drafted 3, accepted 1: position 0 hit, 1 and 2 missed
+    a.observe(2, 2)
+    assert a.rates() == [1.0, 0.5, 0.0] and a.tokens(2) == 2.5
+    r = PerRequest(3)
+    for _ in range(50):
+        r.observe("ngram", 3, 3)
+    assert r.tokens("ngram", 3, Acceptance(3, prior_rate=0.1)) > 3.75 # its own record outweighs the average
+    assert r.tokens("eagle3", 3, a) == pytest.approx(a.tokens(3))  # untried: the average
+
+
+def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = True,
+                   row_seconds: float = 0.0001) -> AdaptivePolicy:
+    """A policy whose models were fed: target 10 ms + `row_seconds` per row, compiled (an eager step 5 ms
+    more); drafting `draft_step_seconds` per sequential head forward; the head's drafts accepted `accepted`
+    of 3."""
+    p = AdaptivePolicy(3, ngram=ngram)
+    p.decisions, p.graphs_seen = 100, True  # past warm-up, not on an exploration step
+    for rows in range(1, 80):
+        for eager in (0.0, 1.0):
+            p.target_cost.update([1.0, eager, rows, 0.0], 0.010 + 0.005 * eager + row_seconds * rows)
+        p.target_cost.update([1.0, 0.0, 1, rows * 4], 0.010 + row_seconds + 1.5 * row_seconds * rows * 4)
+    for batch in (1, 2, 4, 8):
+        for k in range(4):
+            p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
+    for _ in range(200):
+        p.eagle.observe(3, accepted)
+    return p
+
+
+def test_the_policy_speculates_when_it_pays_and_not_when_it_does_not():
+    plan = trained_policy(draft_step_seconds=0.0005).choose([None] * 4, [None] * 4)
+    assert plan.arm == Arm(3) and plan.sources == ["eagle3"] * 4  # cheap, always accepted
+    assert trained_policy(draft_step_seconds=0.05).choose([None] * 4, [None] * 4).arm == Arm(0)  # 5 target steps
+    assert trained_policy(0.0005, accepted=0).choose([None] * 4, [None] * 4).arm == Arm(0)  # never accepted
+
+
+def test_each_request_gets_the_source_that_pays_for_it():
+    """The head is poor here; one request's prompt lookup has always been right, another's never: the
+    first drafts by lookup, the others draft nothing worth their rows. Compiled, they pad the step to a
+    uniform one (5 ms less than a mixed step's eager run, for 0.1 ms a row); eager, or where drafts without
+    a q cannot be verified (the rejection rule: `ngram` off), they decode plainly."""
+    good, bad = PerRequest(3), PerRequest(3)
+    for _ in range(200):
+        good.observe("ngram", 3, 3)
+        bad.observe("ngram", 3, 0)
+    stats, found = [good, bad, None, None], [[1, 2, 3], [4, 5, 6], None, None]
+    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    plan = p.choose(stats, found)
+    assert plan.arm.steps >= 2 and plan.sources == ["ngram", PAD, PAD, PAD], plan
+    p.graphs_seen = False
+    assert p.choose(stats, found).sources == ["ngram", "plain", "plain", "plain"]
+    assert p.price(Arm(3), ["ngram", PAD, PAD, PAD], stats, found) < p.price(Arm(3), ["ngram"] + ["plain"] * 3,
+                                                                             stats, found)
+    rejection = trained_policy(draft_step_seconds=0.0005, accepted=0, ngram=False)
+    assert all(PAD not in plan.sources for plan in rejection.candidates(stats, [None] * 4))
+
+
+def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_rows():
+    """Lookup offers a sure continuation to 2 of 8 requests. With requests queued, a request done sooner frees
+    its slot: they draft. With none queued and all 8 equally long, the batch ends no sooner (the other six
+    are as long): they decode plainly, unless one may stop at EOS (then any may be the last). Requests that
+    started apart are counted per token (their slots are taken to be refilled): they draft again. Started
+    together, they still end together when speculation has spread their remaining tokens."""
+    p = trained_policy(draft_step_seconds=0.0005, accepted=0)
+    p.graphs_seen = False  # eager steps: the others decode plainly rather than pad (see the test above)
+    good = [PerRequest(3), PerRequest(3)]
+    for _ in range(200):
+        for st in good:
+            st.observe("ngram", 3, 3)
+    rest = [PerRequest(3) for _ in range(6)]
+    stats, found = good + rest, [[1, 2, 3]] * 2 + [None] * 6
+    assert p.choose(stats, found, [50] * 8, queued=2).sources == ["ngram"] * 2 + ["plain"] * 6
+    assert p.choose(stats, found, [50] * 8).arm == Arm(0)
+    assert p.choose(stats, found, [40, 40] + [50] * 6).arm == Arm(0)  # the lookup pair drew ahead
+    assert p.choose(stats, found, [50] * 7 + [None]).sources[:2] == ["ngram"] * 2  # one may stop at EOS: any
+    for st in rest:  # six requests admitted 20 steps later, as slots freed
+        st.age -= 20
+    assert p.choose(stats, found, [50] * 8).sources == ["ngram"] * 2 + ["plain"] * 6
+    one = p.choose([good[0]], [[1, 2, 3]], [50])  # one request: every token it gains is the batch's
+    assert one.sources == ["ngram"] and p._worth_ratio([2.0]) == 1.0
+    ends = [Sequence(str(i), [1, 2], SamplingParams(max_tokens=9, ignore_eos=eos), 0) for i, eos in enumerate((1, 0))]
+    assert [known_remaining(seq) for seq in ends] == [9, None]
+
+
+def test_lookup_alone_wins_where_the_head_accepts_more_but_costs_its_forwards():
+    """Per request the head commits more (3 of 3 against lookup's 2 of 3), but each head forward costs 20%
+    of a target step and lookup costs nothing: the step drafts by lookup only."""
+    p = trained_policy(draft_step_seconds=0.002, accepted=3)
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 2)
+        st.observe("eagle3", 3, 3)
+    assert p._chain_plan(3, [st], [[1, 2, 3]]).sources == ["eagle3"]  # by tokens alone: the head
+    plan = p.choose([st], [[1, 2, 3]])
+    assert plan.arm.steps >= 2 and plan.sources == ["ngram"], plan
+
+
+def test_what_an_arm_delivers_corrects_its_prediction():
+    """The lines say chain 3; its steps keep delivering half the predicted tokens per second (say the head
+    is poor on today's prompts): the policy moves to the next best arm."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    assert plan.arm == Arm(3) and plan.raw_tokens_per_s > 0
+    for _ in range(120):
+        p.learn_draft(16, plan, 0.002)
+        seconds = 0.0116
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=seconds, graph=True,
+                         tokens=round(0.5 * plan.raw_tokens_per_s * (seconds + 0.002))))
+    assert p.correction("chain 3", 4) == pytest.approx(0.5, abs=0.05)
+    assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
+    assert p.correction("chain 3", 16) == p.correction("chain 3", 4)  # an unseen bucket borrows the nearest's
+    assert p.correction("chain 1", 4) == p.correction("chain 3 ngram", 4) == 1.0
+
+
+def test_a_one_row_step_is_priced_from_its_own_record():
+    """One row runs another matmul kernel than two or more (tsengine/model/linear.py): here 10 ms, while the line
+    through 2..8-row steps starts at 15 ms. Plain decoding at batch 1 is priced at 10 ms, not 16."""
+    p = AdaptivePolicy(3)
+    p.graphs_seen = True
+    for _ in range(20):
+        for rows in range(2, 9):
+            p.target_cost.update([1.0, 0.0, rows, 0.0], 0.015 + 0.001 * rows)
+        p.one_row.observe(0.010)
+    assert p.predict(Arm(0), 1.0, 1, 0, 0, 1) == pytest.approx(100, rel=0.02)
+    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1) == pytest.approx(2 / 0.017, rel=0.02)
+
+
+def test_one_wild_prediction_does_not_pin_a_correction():
+    """Lines fitted from a handful of steps can promise a million tokens per second: one such step, then 50
+    steps that deliver what is predicted, leave the kind's correction near 1, not near 0."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    honest = plan.raw_tokens_per_s
+    for step in range(51):
+        plan.raw_tokens_per_s = 1e9 if step == 0 else honest
+        p.learn_draft(16, plan, 0.002)
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.0116, graph=True,
+                         tokens=max(1, round(honest * 0.0136))))
+    assert p.correction("chain 3", 4) > 0.8
+
+
+def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
+    """A warm-up step (priced by lines fitted from nothing) and a step that ran eagerly only because its
+    shape had no graph yet (tsengine/model/graphs.py `Heat`) teach an arm's correction nothing; the same step
+    through its graph does."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    assert plan.arm == Arm(3)
+
+    def step(graph: bool) -> None:
+        p.learn_draft(16, plan, 0.002)
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.0116, graph=graph,
+                         tokens=max(1, round(0.3 * plan.raw_tokens_per_s * 0.0136))))
+
+    step(graph=False)  # a chain of 3 for all 4 requests is uniform: eager only because it was cold
+    assert p.correction("chain 3", 4) == 1.0
+    decisions, p.decisions = p.decisions, len(p.arms)  # the last plan was the warm-up's last
+    step(graph=True)
+    assert p.correction("chain 3", 4) == 1.0
+    p.decisions = decisions
+    step(graph=True)
+    assert p.correction("chain 3", 4) < 1.0
+
+
+def test_only_steps_that_draft_from_the_head_pay_for_it():
+    """Head forwards cost 5 target steps each: plain decoding is chosen and priced as if there were no head
+    (its extension is lazy: adaptive_proposer.Backlog), and so is a step drafting by prompt lookup alone;
+    a request with a hole in the head's cache never gets the head."""
+    cheap, dear = trained_policy(draft_step_seconds=0.0005), trained_policy(draft_step_seconds=0.05)
+    plain = dear.choose([None] * 4, [None] * 4)
+    assert plain.arm == Arm(0) and plain.raw_tokens_per_s == pytest.approx(cheap.price(Arm(0), ["plain"] * 4,
+                                                                                       [None] * 4))
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 3)
+    lookup = dear.choose([st], [[1, 2, 3]])
+    assert lookup.sources == ["ngram"]
+    assert lookup.raw_tokens_per_s == pytest.approx(cheap.price(lookup.arm, ["ngram"], [st], [[1, 2, 3]]))
+    gap = PerRequest(3)
+    gap.head_gap = True
+    assert all(s != "eagle3" for plan in cheap.candidates([gap, None], [None, [1, 2]]) for s in plan.sources[:1])
+    plan = cheap.choose([gap, None, None, None], [None] * 4)
+    assert plan.sources[0] in ("plain", PAD) and plan.sources[1:] == ["eagle3"] * 3  # the gap stays until a recompute
+
+
+def test_a_step_mixing_plain_and_drafting_requests_is_priced_eager():
+    """Prompt lookup has a continuation for 1 of 4 requests, worth one token. Drafting for it alone makes a
+    mixed step, which runs eagerly (5 ms more here): slower than plain decoding. Padding the others' windows
+    keeps the step compiled: where rows are cheap (0.1 ms) that beats plain; where they are dear (3 ms, as at
+    4 requests on this CPU) the 9 padding rows cost more than the token: plain decoding. With a continuation
+    for all 4 the step is uniform anyway and lookup pays."""
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 1)
+    stats, one = [st] * 4, [[1, 2, 3], None, None, None]
+    for row_seconds, padding_pays in ((0.0001, True), (0.003, False)):
+        p = trained_policy(draft_step_seconds=0.0005, accepted=0, row_seconds=row_seconds)
+        plain = p.candidates(stats, one)[0]
+        assert p.price(Arm(3), ["ngram", "plain", "plain", "plain"], stats, one) < plain.tokens_per_s  # mixed
+        chosen = p.choose(stats, one)
+        assert chosen.sources == (["ngram", PAD, PAD, PAD] if padding_pays else ["plain"] * 4), (row_seconds, chosen)
+    assert trained_policy(draft_step_seconds=0.0005, accepted=0).choose(stats, [[1, 2, 3]] * 4).sources == ["ngram"] * 4
+
+
+def test_the_margin_over_plain_holds_only_where_the_batch_thins_out_unrefilled():
+    """A chain predicted 3% faster than plain decoding: for 4 requests that started together with none
+    queued (the batch thins out as they finish), below `MARGIN`: plain. Started apart (a client refilling
+    freed slots) or with requests queued: the chain."""
+    p = AdaptivePolicy(3)
+    p.decisions = 100
+    p.candidates = lambda stats, found: [Plan(Arm(0), ["plain"] * 4, 100.0), Plan(Arm(1), ["eagle3"] * 4, 103.0)]
+    together = [PerRequest(3) for _ in range(4)]
+    assert p.choose(together, [None] * 4).arm == Arm(0)
+    assert p.choose(together, [None] * 4, queued=1).arm == Arm(1)
+    together[0].age += 20
+    assert p.choose(together, [None] * 4).arm == Arm(1)
