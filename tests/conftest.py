@@ -2,7 +2,7 @@
 per module) and the embedded SmolLM2 (real_model).
 
 Fixtures only: pytest finds them without an import, and no test module imports this file (shared plain
-helpers are in helpers.py, test-only oracles in oracles.py; tests/test_layers.py checks it)."""
+helpers are in helpers/, test-only oracles in oracles.py; tests/test_layers.py checks it)."""
 
 from __future__ import annotations
 

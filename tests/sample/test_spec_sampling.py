@@ -119,7 +119,7 @@ class OracleChainQ(DraftRewriter):
                 xs[j].append(x)
                 qs[j].append(q.float())
                 paths[j] = paths[j] + (x,)
-        return [Drafts(torch.tensor(x), None, torch.stack(q), self.ids) for x, q in zip(xs, qs)]
+        return [Drafts(torch.tensor(x), q=torch.stack(q), q_ids=self.ids) for x, q in zip(xs, qs)]
 
 
 class OracleTreeTop(DraftRewriter):

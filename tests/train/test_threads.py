@@ -18,7 +18,7 @@ PROBE = """
 import os, sys
 sys.path.insert(0, {repo!r})
 from tsengine.train.threads import use_machine_cores
-print("THREADS", os.environ.get("RANK", "-"), use_machine_cores(), flush=True)
+os.write(1, ("THREADS %s %d\\n" % (os.environ.get("RANK", "-"), use_machine_cores())).encode())
 """
 
 
@@ -31,7 +31,9 @@ def _launch(tmp_path: Path, *launch_args: str, **env) -> dict[str, int]:
     r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch_args, str(script)], cwd=REPO,
                        env=clean, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    # the ranks share one stdout: under load their lines can interleave mid-line, so match, not split lines
+    # the ranks share one stdout, which the launcher leaves unbuffered: print's pieces (words, newline) are
+    # separate writes that interleave between ranks, so each rank writes its line in one os.write, and the
+    # lines are matched, not split
     return {rank: int(n) for rank, n in re.findall(r"THREADS (\S+) (\d+)", r.stdout)}
 
 

@@ -1,8 +1,8 @@
 """Paged attention: the torch reference backend and the dispatch to the Triton kernels.
 
-Semantics every backend implements (and tests/model/test_triton_attention.py checks against a dense float64 loop): token t of
-request b at absolute position p attends to KV positions 0..p of request b; KV position j lives in slot
-block_tables[b, j // block_size] * block_size + j % block_size. A verify window is therefore just a run of
+Semantics every backend implements (and tests/model/test_triton_attention.py checks against a dense float64
+loop): token t of request b at absolute position p attends to KV positions 0..p of request b; KV position j
+lives in slot block_tables[b, j // block_size] * block_size + j % block_size. A verify window is therefore just a run of
 consecutive positions, exactly like a prefill chunk.
 """
 

@@ -30,7 +30,7 @@ def _group(reqs: list[int], runs, starts: list[int], lens: list[int]) -> tuple:
     return rows, reqs, seq, qstart, max(runs[b][2] for b in reqs), max(lens[b] for b in reqs)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
     positions: torch.Tensor  # [T] long: absolute position of each token (RoPE and the causal limit)
     seq_index: torch.Tensor  # [T] long: which request (row of block_tables) each token belongs to
@@ -80,8 +80,9 @@ class Context:
 
         bt = runs[0][0]
         consecutive = len(runs) == 1 and bt == list(range(bt[0], bt[0] + len(bt)))
-        ctx = Context(t(positions), t(seq_index), t(slots), t(tables), t(lens), t(starts),
-                      max(n for _, _, n in runs), max(lens), dense_base=bt[0] * block_size if consecutive else None)
+        ctx = Context(positions=t(positions), seq_index=t(seq_index), slot_mapping=t(slots), block_tables=t(tables),
+                      context_lens=t(lens), query_start=t(starts), max_q=max(n for _, _, n in runs), max_ctx=max(lens),
+                      dense_base=bt[0] * block_size if consecutive else None)
         ones = [b for b, (_, _, n) in enumerate(runs) if n == 1]
         if 1 < len(ones) < len(runs):
             longer = [b for b, (_, _, n) in enumerate(runs) if n > 1]
@@ -97,8 +98,10 @@ class Context:
                 rows, reqs, seq, qstart = (_long(x, dev) for x in (rows, reqs, seq, qstart))
                 tree = ({} if self.tree_anc is None
                         else {"tree_start": self.tree_start[rows], "tree_anc": self.tree_anc[rows]})
-                out.append((rows, Context(self.positions[rows], seq, self.slot_mapping[rows], self.block_tables[reqs],
-                                          self.context_lens[reqs], qstart, max_q, max_ctx, **tree)))
+                out.append((rows, Context(positions=self.positions[rows], seq_index=seq,
+                                          slot_mapping=self.slot_mapping[rows], block_tables=self.block_tables[reqs],
+                                          context_lens=self.context_lens[reqs], query_start=qstart, max_q=max_q,
+                                          max_ctx=max_ctx, **tree)))
             self.memo["parts"] = out
         return self.memo["parts"]
 
@@ -123,9 +126,11 @@ class Context:
         seq = torch.arange(d, device=positions.device)[:, None].expand(d, k)
         slots = block_tables[seq, kv_index // block_size] * block_size + kv_index % block_size
         flat = lambda x: x.reshape(-1).contiguous()  # noqa: E731  (an expanded [1, K] flattens to stride 0)
-        return Context(flat(positions), flat(seq), flat(slots), block_tables, kv_index.amax(1) + 1,
-                       torch.arange(d + 1, device=positions.device) * k, k, block_tables.shape[1] * block_size,
-                       exact_ctx=False, tree_start=flat(start[:, None].expand(d, k)), tree_anc=flat(anc))
+        return Context(positions=flat(positions), seq_index=flat(seq), slot_mapping=flat(slots),
+                       block_tables=block_tables, context_lens=kv_index.amax(1) + 1,
+                       query_start=torch.arange(d + 1, device=positions.device) * k, max_q=k,
+                       max_ctx=block_tables.shape[1] * block_size, exact_ctx=False,
+                       tree_start=flat(start[:, None].expand(d, k)), tree_anc=flat(anc))
 
     @staticmethod
     def one_each(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> "Context":
@@ -135,5 +140,6 @@ class Context:
         b = positions.shape[0]
         ar = torch.arange(b, device=positions.device)
         slots = block_tables[ar, positions // block_size] * block_size + positions % block_size
-        return Context(positions, ar, slots, block_tables, positions + 1, torch.arange(b + 1, device=positions.device),
-                       1, block_tables.shape[1] * block_size, exact_ctx=False)
+        return Context(positions=positions, seq_index=ar, slot_mapping=slots, block_tables=block_tables,
+                       context_lens=positions + 1, query_start=torch.arange(b + 1, device=positions.device), max_q=1,
+                       max_ctx=block_tables.shape[1] * block_size, exact_ctx=False)

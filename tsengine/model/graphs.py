@@ -104,8 +104,10 @@ def static_step(model, kv, block_size: int, window: int, ids, positions, slots, 
     `last`, only those rows': the prefill-chunk probe, bench/prefill_graph.py)."""
     b = tables.shape[0]
     seq = torch.arange(b, device=ids.device).repeat_interleave(window)
-    ctx = Context(positions, seq, slots, tables, lens, torch.arange(b + 1, device=ids.device) * window, window,
-                  tables.shape[1] * block_size, exact_ctx=False, uniform=True, tree_start=tree_start, tree_anc=tree_anc)
+    ctx = Context(positions=positions, seq_index=seq, slot_mapping=slots, block_tables=tables, context_lens=lens,
+                  query_start=torch.arange(b + 1, device=ids.device) * window, max_q=window,
+                  max_ctx=tables.shape[1] * block_size, exact_ctx=False, uniform=True, tree_start=tree_start,
+                  tree_anc=tree_anc)
     hidden, aux = model(ids, ctx, kv)
     return hidden, aux, model.logits(hidden if last is None else hidden[last])
 

@@ -61,7 +61,7 @@ def gumbel(seeds, positions, vocab: int, stream: int = 0) -> torch.Tensor:
     return -torch.log(-torch.log(uniform(seeds, positions, vocab, stream)))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RowParams:
     """Per-row sampling tensors for one batch of logit rows (built once per step on the host)."""
 
@@ -76,14 +76,17 @@ class RowParams:
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], device) -> "RowParams":
         f = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)  # noqa: E731
-        return RowParams(f([p.temperature for p in params], torch.float32), f([p.top_k for p in params], torch.long),
-                         f([p.top_p for p in params], torch.float32), f([p.min_p for p in params], torch.float32),
-                         f(seeds, torch.long), all(p.greedy for p in params),
-                         any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params))
+        return RowParams(temperature=f([p.temperature for p in params], torch.float32),
+                         top_k=f([p.top_k for p in params], torch.long),
+                         top_p=f([p.top_p for p in params], torch.float32),
+                         min_p=f([p.min_p for p in params], torch.float32), seeds=f(seeds, torch.long),
+                         all_greedy=all(p.greedy for p in params),
+                         any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params))
 
     def index(self, rows: torch.Tensor) -> "RowParams":
-        return RowParams(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                         self.seeds[rows], self.all_greedy, self.any_filter)
+        return RowParams(temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+                         min_p=self.min_p[rows], seeds=self.seeds[rows], all_greedy=self.all_greedy,
+                         any_filter=self.any_filter)
 
 
 def filtered_logprobs(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:

@@ -43,9 +43,10 @@ def extend_step(proposer, window, ids, aux, positions, slots, tables, lens):
     """The traced extension: the head's layer over a uniform [B, window] batch of committed rows fed with
     the target's features `aux` [B·window, 3H] (`Eagle3Proposer.propose`). Returns [B·window, H] outputs."""
     b, dev = tables.shape[0], ids.device
-    ctx = Context(positions, torch.arange(b, device=dev).repeat_interleave(window), slots, tables, lens,
-                  torch.arange(b + 1, device=dev) * window, window, tables.shape[1] * proposer.block_size,
-                  exact_ctx=False, uniform=True)
+    ctx = Context(positions=positions, seq_index=torch.arange(b, device=dev).repeat_interleave(window),
+                  slot_mapping=slots, block_tables=tables, context_lens=lens,
+                  query_start=torch.arange(b + 1, device=dev) * window, max_q=window,
+                  max_ctx=tables.shape[1] * proposer.block_size, exact_ctx=False, uniform=True)
     return proposer._layer(ids, proposer.head.project(aux.to(proposer.head.fc.weight.dtype)), positions, ctx)
 
 

@@ -12,7 +12,7 @@ bitmask) and nothing is stacked per request.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,6 +32,7 @@ class Drafts:
     """One request's proposal for its next verify window (device tensors; the engine never reads them)."""
 
     tokens: torch.Tensor  # [N-1] drafted target ids, node 1.. in depth-first order
+    _: KW_ONLY
     tree: Tree | None = None  # [N] parents / depths / ancestor bits of this request's tree; None: a chain
     q: torch.Tensor | None = None  # [N-1, Vq] the draft's distribution at each node (the rejection rule only)
     q_ids: torch.Tensor | None = None  # [Vq] the target id of each column of q (the draft vocab)
@@ -109,7 +110,7 @@ def _chain(n: int, device) -> Tree:
     return Tree.chain(1, n, device)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Windows:
     """The step's W verify windows of N nodes, stacked once for the forward and the verifier."""
 
@@ -143,10 +144,12 @@ class Windows:
         starts = torch.tensor([s.start for s in runs], **long)
         tokens = torch.stack([d.tokens for d in drafts])
         if all(d.tree is None for d in drafts):
-            return Windows(flat, logit, starts, tokens, _chain(n, device).parents.expand(len(runs), n), None, None,
-                           runs)
+            return Windows(flat_rows=flat, logit_rows=logit, starts=starts, tokens=tokens,
+                           parents=_chain(n, device).parents.expand(len(runs), n), depths=None, ancestors=None,
+                           runs=runs)
         chain = _chain(n, device)
         trees = [d.tree if d.tree is not None else Tree(None, chain.parents[0], chain.depths[0], chain.ancestors[0])
                  for d in drafts]
         parents, depths, anc = (torch.stack(x) for x in zip(*((t.parents, t.depths, t.ancestors) for t in trees)))
-        return Windows(flat, logit, starts, tokens, parents, depths, anc, runs)
+        return Windows(flat_rows=flat, logit_rows=logit, starts=starts, tokens=tokens, parents=parents, depths=depths,
+                       ancestors=anc, runs=runs)

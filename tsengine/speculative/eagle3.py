@@ -90,13 +90,13 @@ class Eagle3Proposer(Proposer):
         if not need:
             return []
         if isinstance(out, Tree):
-            drafts = [Drafts(out.tokens[j, 1:], Tree(None, out.parents[j], out.depths[j], out.ancestors[j]))
+            drafts = [Drafts(out.tokens[j, 1:], tree=Tree(None, out.parents[j], out.depths[j], out.ancestors[j]))
                       for j in range(len(need))]
         else:
             tokens, q = out
             # q is cloned: a view would keep the whole batch's [D, S, vocab] alive past this request's verify
-            drafts = [Drafts(tokens[j], None, q[j].clone() if q is not None else None,
-                             self.draft_ids_in_target if q is not None else None) for j in range(len(need))]
+            drafts = [Drafts(tokens[j], q=q[j].clone() if q is not None else None,
+                             q_ids=self.draft_ids_in_target if q is not None else None) for j in range(len(need))]
         if only is None:
             return drafts
         it = iter(drafts)
