@@ -1,5 +1,5 @@
 """Test-only oracles: slow, obviously correct versions of what the fast code computes, used nowhere but
-tests/. The training unroll and loss (`tsengine/train/ttt.py`, `tsengine/train/loss.py`) are checked in
+tests/. The training unroll and loss (`train/ttt.py`, `train/loss.py`) are checked in
 tests/train/test_ttt.py against per-position loops; the paged attention backends in tests/model/test_triton_attention.py
 against a dense float64 loop.
 """
