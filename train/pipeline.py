@@ -10,6 +10,7 @@ training are data-parallel.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -52,6 +53,7 @@ class Run:
     report: dict
     splits: dict = field(default_factory=dict)  # split -> the rows the next data stage works on
     head: Eagle3Head | None = None
+    deadline: float | None = None  # time.time() at which training stops (a budgeted run: train/budget.py)
 
     @property
     def root(self) -> Path:
@@ -173,7 +175,7 @@ def _train(ctx: Run) -> None:
     trainer = Trainer(ctx.r, ctx.head, ctx.model, ctx.data["train"], ctx.data["val"], stores["train"], stores["val"])
     resumed = trainer.resume()
     report["resumed_from_step"] = trainer.state.step if resumed else None
-    report["train"] = trainer.train()
+    report["train"] = trainer.train(deadline=ctx.deadline)
 
 
 def _eval(ctx: Run) -> None:
@@ -190,6 +192,10 @@ def _eval(ctx: Run) -> None:
             report.setdefault("regen", {})[split] = {"wall_s": max(w["wall_s"] for w in walls), "ranks": len(walls),
                                                      "tokens_out": None if None in tokens else sum(tokens)}
     report["eval"] = evaluate(ctx.r, ctx.model, ctx.tok, root, ctx.user_sized)
+    if "budget" in report:  # plan beside actual: the whole run, eval included, against its budget
+        b = report["budget"]
+        b["actual_s"] = round(time.time() - b["start"], 1)
+        b["within_budget"] = b["actual_s"] <= b["plan"]["plan"]["budget_s"]
     (root / "summary.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: report[k] for k in ("train", "eval") if k in report}, indent=1))
 
@@ -255,8 +261,44 @@ def run(r: Recipe, dry_run: bool = False, user_sized: bool = False) -> dict:
     model, tok = load_target(r.target, dtype=dtype, device=str(state.device))
     cfg = Eagle3Config.for_target(model.config, draft_vocab_size=r.vocab.draft_vocab_size,
                                   aux_layer_ids=r.head.aux_layer_ids)
-    ctx = Run(r, state, model, tok, cfg, user_sized, report={"recipe": r.model_dump(mode="json")})
+    start = time.time()
+    ctx = Run(r, state, model, tok, cfg, user_sized, report={})
+    if r.budget_minutes is not None:
+        r = ctx.r = _budgeted(ctx, start)
+    ctx.report["recipe"] = r.model_dump(mode="json")
+    stage_s = ctx.report.setdefault("stage_s", {})  # what each stage took (the eval's entry is written after it)
     for stage in STAGES:
         if stage.applies(r):
+            t0 = time.time()
             _walk(stage, ctx)
+            stage_s[stage.name] = round(time.time() - t0, 1)
     return ctx.report
+
+
+def _budgeted(ctx: Run, start: float) -> Recipe:
+    """The recipe with its data and epochs sized to its budget on this machine (train/budget.py): planned
+    once by rank 0 (kept in DIR/plan.json, so a relaunch keeps the size and its caches), read by the others."""
+    from tsengine.train import budget
+
+    r, root, path = ctx.r, ctx.root, ctx.root / "plan.json"
+    budget_s = r.budget_minutes * 60
+    with ctx.state.main_process_first():
+        plan = budget.load(path, budget_s)
+        if plan is None and ctx.state.is_main_process:
+            unsized = r.model_copy(deep=True)
+            unsized.data.max_samples = None
+            train, val = source_splits(unsized, root)
+            val = subset(val, r.data.max_val_samples, r.seed)
+            rates = budget.measure(r, ctx.tok, train, ctx.cfg, ctx.model, root / "budget-probe")
+            plan = budget.size(budget_s, rates, available_rows=len(train), epochs=r.train.epochs, val_rows=len(val))
+            budget.save(plan, rates, path)
+        plan = plan or budget.load(path, budget_s)
+    if ctx.state.is_main_process:
+        print(f"plan: {plan.describe()}", flush=True)
+    sized = r.model_copy(deep=True)
+    cap = r.data.max_samples  # the user's own limit still holds
+    sized.data.max_samples = plan.rows if cap is None else min(cap, plan.rows)
+    sized.train.epochs = plan.epochs
+    ctx.deadline = start + plan.train_deadline_s
+    ctx.report["budget"] = {"plan": json.loads(path.read_text()), "start": start}
+    return sized

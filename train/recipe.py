@@ -106,6 +106,9 @@ class Recipe(_Strict):
     target: str
     output_dir: str = "runs/default"
     seed: int = 0
+    # minutes the whole run may take, eval included: the data (and epochs) are sized to this machine's
+    # measured speeds, and training stops at the plan's deadline (train/budget.py); None: the sizes given
+    budget_minutes: Optional[float] = Field(None, gt=0, le=10080)
     data: Data = Data()
     regen: Regen = Regen()
     vocab: Vocab = Vocab()

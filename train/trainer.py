@@ -204,7 +204,10 @@ class Trainer:
         self.model.train()
         return summarize(total.cpu())
 
-    def train(self) -> dict:
+    def train(self, deadline: float | None = None) -> dict:
+        """Train to the recipe's last step, or until `deadline` (a `time.time()`): the step that reaches it
+        is the last, validated, exported if best and checkpointed like the recipe's last step, so a run
+        stopped by its budget (train/budget.py) loses nothing it trained."""
         o, st = self.r.train, self.state
         self.out.mkdir(parents=True, exist_ok=True)
         self._init_wandb()
@@ -213,8 +216,8 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=st.step, desc="train", unit="step",
                    disable=not self.acc.is_local_main_process)
         window = None
-        last_val = {}
-        while st.step < self.total_steps:
+        last_val, stopped = {}, "steps"
+        while st.step < self.total_steps and stopped == "steps":
             plan = plan_batches(self.lengths, o.batch_tokens, self.r.seed, st.epoch, self.acc.num_processes)
             mine = plan[self.acc.process_index]
             usable = min(self.steps_per_epoch * o.grad_accum, len(mine))
@@ -242,7 +245,9 @@ class Trainer:
                 self._log(row)
                 if st.step % o.log_every == 0:
                     bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{s['acc_0']:.2f}")
-                last = st.step == self.total_steps
+                if deadline is not None and self._reached(deadline):
+                    stopped = "budget"
+                last = st.step == self.total_steps or stopped == "budget"
                 if st.step % o.eval_every == 0 or last:
                     last_val = self.evaluate()
                     if last_val:
@@ -253,6 +258,8 @@ class Trainer:
                 if st.step % o.checkpoint_every == 0 or last:
                     st.wall = time.time() - t0
                     save_checkpoint(self.acc, self.model, st, self.ckpt_root, o.keep_checkpoints)
+                if stopped == "budget":
+                    break
             if st.batch >= usable:
                 st.epoch, st.batch = st.epoch + 1, 0
         bar.close()
@@ -262,8 +269,14 @@ class Trainer:
             plot_acc(self.metrics, self.out / "acc_k.png")
         if self.wandb is not None:
             self.wandb.finish()
-        return {"steps": st.step, "tokens": st.tokens, "wall_s": round(time.time() - t0, 1), "best": st.best,
-                **{f"val_{k}": v for k, v in last_val.items()}}
+        return {"steps": st.step, "planned_steps": self.total_steps, "stopped_by": stopped, "tokens": st.tokens,
+                "wall_s": round(time.time() - t0, 1), "best": st.best, **{f"val_{k}": v for k, v in last_val.items()}}
+
+    def _reached(self, deadline: float) -> bool:
+        """Whether any rank has reached `deadline`: every rank stops after the same step (one small
+        collective per step, only on budgeted runs)."""
+        late = torch.tensor([float(time.time() >= deadline)], device=self.acc.device)
+        return bool(self.acc.reduce(late, reduction="max").item())
 
     def _export_best(self) -> None:
         """The best head so far (by validation simulated acceptance) in the interchange format."""

@@ -85,6 +85,42 @@ def test_tiny_end_to_end(tiny_dirs, tiny_models, tmp_path):
     assert "regenerate:" not in r.stdout and len(metrics(run)) == len(rows)
 
 
+def test_a_budget_sizes_the_run_from_this_machines_speeds(tiny_dirs, tmp_path):
+    """budget_minutes: the run measures this machine, plans rows and epochs (kept in plan.json), trains the
+    planned size and reports plan beside actual; a relaunch keeps the plan and redoes nothing."""
+    path = recipe(tmp_path, tiny_dirs["llama"], budget_minutes=30, train={"epochs": 1})
+    r = launch("--recipe", str(path))
+    run = tmp_path / "run"
+    saved = json.loads((run / "plan.json").read_text())
+    assert saved["rates"]["regen_s_per_row"] > 0 and saved["rates"]["train_tokens_per_s"] > 0
+    plan = saved["plan"]
+    assert plan["rows"] == 48 and plan["epochs"] == 4  # every row fits: time left buys epochs, up to 4x the recipe's
+    assert "plan: budget 30.0 min: 48 training rows x 4 epochs" in r.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data"]["train"]["rows"] == 48 and summary["recipe"]["train"]["epochs"] == 4
+    assert summary["train"]["stopped_by"] == "steps" and summary["budget"]["within_budget"]
+    assert {"data", "regenerate", "train"} <= set(summary["stage_s"])
+    assert not (run / "budget-probe").exists()
+    again = launch("--recipe", str(path))
+    assert "regenerate:" not in again.stdout and json.loads((run / "plan.json").read_text()) == saved
+
+
+def test_a_budgeted_run_stops_training_at_its_deadline_and_keeps_the_head(tiny_dirs, tmp_path):
+    """The plan's deadline ends training whatever the estimate said: the step that reaches it is validated,
+    exported and checkpointed (a plan whose deadline has passed at the start: one step)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    plan = {"budget_s": 600.0, "rows": 24, "epochs": 4, "expected_s": {}, "train_deadline_s": 0.0}
+    (run / "plan.json").write_text(json.dumps({"plan": plan, "rates": {}}))
+    launch("--recipe", str(recipe(tmp_path, tiny_dirs["llama"], budget_minutes=10)))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["data"]["train"]["rows"] == 24
+    train = summary["train"]
+    assert train["stopped_by"] == "budget" and train["steps"] == 1 < train["planned_steps"]
+    assert (run / "export" / "model.safetensors").exists() and metrics(run, "val")[-1]["step"] == 1
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
+
+
 def test_offline_features_train_like_online(tiny_dirs, tmp_path):
     losses = {}
     for mode in ("online", "offline"):
