@@ -23,6 +23,11 @@ from tsengine.errors import UserError
 MIN_ROWS = 8  # fewer training rows than this is no recipe: the budget is refused
 MAX_EPOCH_FACTOR = 4  # time left after all the rows buys at most this many times the recipe's epochs
 SLACK = 0.9  # the share of the budget the plan fills: model loads, the vocab, start-up and misestimates
+# A compiled graph's first use stalls for a while (docs/design/graphs.md); the eval compiles its shapes cold
+# on a fresh machine (docs/benchmarks-journal.md has the cold and warm evals), so each shape is priced so.
+EVAL_COMPILE_S = 180.0
+SPEC_OVERHEAD = 1.5  # an eval shape's time per token against plain decoding's, for a weak head (pessimistic)
+TRAIN_OVERHEAD = 1.15  # the loop's validation passes, checkpoints, logging and feature reads on top of its steps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,7 +36,7 @@ class Rates:
 
     regen_s_per_row: float  # seconds to regenerate one row's answer (with its features, when captured)
     tokens_per_row: float  # trained-on (assistant) tokens one regenerated row gives
-    train_tokens_per_s: float  # trained-on tokens per second of training
+    train_s_per_row: float  # seconds of training one row costs per epoch (its share of the micro-batches)
     eval_s: float  # the final eval's expected seconds
     probe_s: float = 0.0  # what measuring took (spent from the budget)
 
@@ -57,13 +62,13 @@ def size(budget_s: float, rates: Rates, *, available_rows: int, epochs: int, val
     MIN_ROWS rows, naming the smallest that would do."""
     fixed = rates.probe_s + rates.eval_s + val_rows * rates.regen_s_per_row
     spend = budget_s * SLACK - fixed
-    train_s_per_row = rates.tokens_per_row / rates.train_tokens_per_s
+    train_s_per_row = rates.train_s_per_row
     rows = min(available_rows, math.floor(spend / (rates.regen_s_per_row + epochs * train_s_per_row)))
     if rows < min(MIN_ROWS, available_rows):
         need = (fixed + MIN_ROWS * (rates.regen_s_per_row + epochs * train_s_per_row)) / SLACK
         raise UserError(f"budget_minutes={budget_s / 60:g}: this machine would regenerate and train fewer than "
                         f"{MIN_ROWS} rows in it (regeneration {rates.regen_s_per_row:.1f} s a row, training "
-                        f"{rates.train_tokens_per_s:.0f} tokens/s, eval {rates.eval_s:.0f} s); allowed: at least "
+                        f"{train_s_per_row:.2f} s a row an epoch, eval {rates.eval_s:.0f} s); allowed: at least "
                         f"{math.ceil(need / 60)}")
     if rows == available_rows:  # every row fits: the time left buys epochs
         left = spend - rows * rates.regen_s_per_row
@@ -91,35 +96,52 @@ def load(path: Path, budget_s: float) -> Plan | None:
 
 
 def measure(r, tok, train_rows: list, cfg, model, probe_dir: Path, probe_rows: int = 16) -> Rates:
-    """This machine's regeneration and training speeds, from `probe_rows` of the training rows answered by
-    the engine as the regenerate stage will (features captured in offline mode) and a few training steps
-    on features of the recipe's shape; the eval's seconds from the same decode speed."""
+    """This machine's speeds: `probe_rows` of the training rows answered by the engine as the regenerate
+    stage will, then the recipe's training step timed on a micro-batch of the typical shape (the batch plan
+    of every row at its prompt's length plus the probe's mean answer); the eval's seconds from the decode
+    speed."""
+    from tsengine.train.batching import plan_batches
+
     t0 = time.time()
-    g = r.regen
+    g, o = r.regen, r.train
     answers = g.samples_per_prompt + g.include_greedy if g.temperature > 0 else 1  # answer rows per prompt row
     regen_s, answer_tokens = _regen_probe(r, tok, train_rows[:probe_rows], probe_dir)
-    prompt_tokens = _prompt_tokens(tok, train_rows[:probe_rows])
-    train_rate = _train_probe(r, model, cfg, prompt_tokens + answer_tokens, answer_tokens)
+    lengths = [min(r.data.max_length, p + round(answer_tokens)) for p in _prompt_tokens(tok, train_rows)]
+    lengths = [n for n in lengths for _ in range(answers)]
+    batches = plan_batches(lengths, o.batch_tokens, r.seed, 0)[0]
+    typical = sorted(batches, key=len)[len(batches) // 2]
+    step_s = _train_probe(r, model, cfg, len(typical), max(lengths[i] for i in typical), answer_tokens)
     e = r.eval
-    decode_s_per_token = regen_s / max(1.0, answer_tokens) * min(r.regen.batch_size, probe_rows)  # batch 1
-    shapes = 2 if e.tree else 1
-    eval_s = e.num_prompts * e.max_new_tokens * decode_s_per_token * (1 + shapes) + 60 * shapes  # + compiles
+    shapes = 2 if e.tree else 1  # each shape decodes all its prompts as one batch (infer/eval.py)
+    s_per_token = regen_s / max(1.0, answer_tokens)
+    eval_s = shapes * (e.num_prompts * e.max_new_tokens * s_per_token * SPEC_OVERHEAD + EVAL_COMPILE_S)
+    batches_per_row = len(batches) / max(1, len(lengths))  # micro-batches (each one timed step) per answer row
     return Rates(regen_s_per_row=regen_s * answers, tokens_per_row=answer_tokens * answers,
-                 train_tokens_per_s=train_rate, eval_s=round(eval_s, 1), probe_s=round(time.time() - t0, 1))
+                 train_s_per_row=answers * batches_per_row * step_s * TRAIN_OVERHEAD, eval_s=round(eval_s, 1),
+                 probe_s=round(time.time() - t0, 1))
 
 
-def _prompt_tokens(tok, rows: list) -> float:
+def _prompt_tokens(tok, rows: list) -> list[int]:
+    """Each row's prompt length in tokens, through the target's chat template (a row that fails it: 0)."""
     from tsengine.conversations import normalize
 
-    n = [len(tok.apply_chat_template([m for m in normalize(x, require_assistant=False) if m["role"] != "assistant"],
-                                     tokenize=True, add_generation_prompt=True)) for x in rows]
-    return sum(n) / max(1, len(n))
+    out = []
+    for x in rows:
+        try:
+            msgs = [m for m in normalize(x, require_assistant=False) if m["role"] != "assistant"]
+            out.append(len(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)))
+        except Exception:  # the regenerate stage reports such rows; here they only cost nothing
+            out.append(0)
+    return out
 
 
 def _regen_probe(r, tok, rows: list, probe_dir: Path) -> tuple[float, float]:
     """(seconds an answer, tokens an answer) of the engine answering `rows` greedily at the recipe's batch
-    size (without capture: its cost is small next to decoding, and training's deadline absorbs it)."""
+    size (without capture: its cost is small next to decoding, and training's deadline absorbs it). Steady
+    state: a step that compiled a graph is priced as a typical step (the run compiles each shape once; a
+    probe of a few rows would be mostly compiles)."""
     import shutil
+    import statistics
 
     from tsengine.targets import resolve
     from tsengine.train.regen_engine import EngineRegenerator
@@ -130,16 +152,26 @@ def _regen_probe(r, tok, rows: list, probe_dir: Path) -> tuple[float, float]:
     regen = EngineRegenerator(resolve(r.target), tok, min(g.batch_size, len(rows)), g.max_new_tokens, g.top_p,
                               g.seed, r.data.max_length)
     todo = answer_rows(rows, 0.0)
-    t0 = time.time()
+    engine, steps = regen.engine, []
+    step = engine.step
+
+    def timed_step():
+        before, t0 = engine.snapshot().compiled_graphs, time.perf_counter()
+        out = step()
+        steps.append((time.perf_counter() - t0, engine.snapshot().compiled_graphs != before))
+        return out
+
+    engine.step = timed_step
     regen.run(todo, out_path=probe_dir / "probe.jsonl", progress=False)
-    seconds = time.time() - t0
+    warm = [t for t, compiled in steps if not compiled]
+    seconds = sum(warm) + (statistics.median(warm) if warm else 0.0) * (len(steps) - len(warm))
     shutil.rmtree(probe_dir, ignore_errors=True)
     return seconds / max(1, len(todo)), regen.tokens_out / max(1, len(todo))
 
 
-def _train_probe(r, model, cfg, row_tokens: float, answer_tokens: float, steps: int = 3) -> float:
-    """Trained-on tokens per second of the recipe's training step (TTT unroll, loss, backward, AdamW) on
-    random features of the target's shape, micro-batches of `train.batch_tokens`."""
+def _train_probe(r, model, cfg, rows: int, length: int, answer_tokens: float, steps: int = 3) -> float:
+    """Seconds of the recipe's training step (TTT unroll, loss, backward, AdamW; the target's forward too in
+    online mode) on a [rows, length] micro-batch of random features of the target's shape."""
     import torch
 
     from tsengine.eagle3.head import Eagle3Head
@@ -147,22 +179,20 @@ def _train_probe(r, model, cfg, row_tokens: float, answer_tokens: float, steps: 
     from tsengine.train.trainer import TTTModel
 
     o = r.train
-    t = max(16, min(o.batch_tokens, int(row_tokens)))
-    per_batch = max(1, o.batch_tokens // t)
     head = Eagle3Head(cfg)
     head.init_weights(0)
     v = cfg.draft_vocab_size
     head.set_vocab_map(torch.zeros(v, dtype=torch.long), torch.arange(model.config.vocab_size) < v)
-    rows = lm_head_weight(model)[torch.arange(v)]
-    ttt = TTTModel(head, model.get_input_embeddings().weight, rows, o.ttt_steps, o.step_weight_decay,
+    lm_rows = lm_head_weight(model)[torch.arange(v)]
+    ttt = TTTModel(head, model.get_input_embeddings().weight, lm_rows, o.ttt_steps, o.step_weight_decay,
                    o.loss_chunk_tokens)
     opt = torch.optim.AdamW([p for p in ttt.parameters() if p.requires_grad], lr=o.lr)
     h, g = model.config.hidden_size, torch.Generator().manual_seed(0)
-    ids = torch.randint(0, v, (per_batch, t), generator=g)
-    mask = torch.zeros(per_batch, t, dtype=torch.bool)
-    mask[:, t - max(1, int(t * answer_tokens / row_tokens)):] = True
-    aux, final = torch.randn(per_batch, t, 3 * h, generator=g), torch.randn(per_batch, t, h, generator=g)
-    argmax = torch.randint(0, v, (per_batch, t), generator=g)
+    ids = torch.randint(0, v, (rows, length), generator=g)
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    mask[:, length - min(length, max(1, round(answer_tokens))):] = True
+    aux, final = torch.randn(rows, length, 3 * h, generator=g), torch.randn(rows, length, h, generator=g)
+    argmax = torch.randint(0, v, (rows, length), generator=g)
     online = r.features.mode == "online"
     seconds = 0.0
     for i in range(steps + 1):  # the first step warms up
@@ -175,4 +205,4 @@ def _train_probe(r, model, cfg, row_tokens: float, answer_tokens: float, steps: 
         opt.step()
         opt.zero_grad()
         seconds += (time.time() - t0) if i else 0.0
-    return steps * int(mask.sum()) / seconds
+    return seconds / steps

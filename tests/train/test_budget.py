@@ -7,7 +7,7 @@ import pytest
 from tsengine.errors import UserError
 from tsengine.train.budget import MAX_EPOCH_FACTOR, SLACK, Rates, size
 
-RATES = Rates(regen_s_per_row=2.0, tokens_per_row=100.0, train_tokens_per_s=200.0, eval_s=120.0, probe_s=30.0)
+RATES = Rates(regen_s_per_row=2.0, tokens_per_row=100.0, train_s_per_row=0.5, eval_s=120.0, probe_s=30.0)
 
 
 def _planned_s(plan) -> float:

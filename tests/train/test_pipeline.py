@@ -92,7 +92,7 @@ def test_a_budget_sizes_the_run_from_this_machines_speeds(tiny_dirs, tmp_path):
     r = launch("--recipe", str(path))
     run = tmp_path / "run"
     saved = json.loads((run / "plan.json").read_text())
-    assert saved["rates"]["regen_s_per_row"] > 0 and saved["rates"]["train_tokens_per_s"] > 0
+    assert saved["rates"]["regen_s_per_row"] > 0 and saved["rates"]["train_s_per_row"] > 0
     plan = saved["plan"]
     assert plan["rows"] == 48 and plan["epochs"] == 4  # every row fits: time left buys epochs, up to 4x the recipe's
     assert "plan: budget 30.0 min: 48 training rows x 4 epochs" in r.stdout
