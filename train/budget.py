@@ -24,8 +24,9 @@ MIN_ROWS = 8  # fewer training rows than this is no recipe: the budget is refuse
 MAX_EPOCH_FACTOR = 4  # time left after all the rows buys at most this many times the recipe's epochs
 SLACK = 0.9  # the share of the budget the plan fills: model loads, the vocab, start-up and misestimates
 # A compiled graph's first use stalls for a while (docs/design/graphs.md); the eval compiles its shapes cold
-# on a fresh machine (docs/benchmarks-journal.md has the cold and warm evals), so each shape is priced so.
-EVAL_COMPILE_S = 180.0
+# on a fresh machine, so each shape is priced so (calibrated on a budgeted SmolLM2 run: docs/benchmarks.md,
+# "Budget planning").
+EVAL_COMPILE_S = 240.0
 SPEC_OVERHEAD = 1.5  # an eval shape's time per token against plain decoding's, for a weak head (pessimistic)
 TRAIN_OVERHEAD = 1.15  # the loop's validation passes, checkpoints, logging and feature reads on top of its steps
 
@@ -95,17 +96,17 @@ def load(path: Path, budget_s: float) -> Plan | None:
     return Plan(**saved) if saved["budget_s"] == budget_s else None
 
 
-def measure(r, tok, train_rows: list, cfg, model, probe_dir: Path, probe_rows: int = 16) -> Rates:
-    """This machine's speeds: `probe_rows` of the training rows answered by the engine as the regenerate
-    stage will, then the recipe's training step timed on a micro-batch of the typical shape (the batch plan
-    of every row at its prompt's length plus the probe's mean answer); the eval's seconds from the decode
-    speed."""
+def measure(r, tok, train_rows: list, cfg, model, probe_dir: Path) -> Rates:
+    """This machine's speeds: one batch of the training rows (`regen.batch_size`, at most 64) answered by the
+    engine as the regenerate stage will, then the recipe's training step timed on a micro-batch of the
+    typical shape (the batch plan of every row at its prompt's length plus the probe's mean answer); the
+    eval's seconds from the decode speed."""
     from tsengine.train.batching import plan_batches
 
     t0 = time.time()
     g, o = r.regen, r.train
     answers = g.samples_per_prompt + g.include_greedy if g.temperature > 0 else 1  # answer rows per prompt row
-    regen_s, answer_tokens = _regen_probe(r, tok, train_rows[:probe_rows], probe_dir)
+    regen_s, answer_tokens = _regen_probe(r, tok, train_rows[:min(64, g.batch_size)], probe_dir)
     lengths = [min(r.data.max_length, p + round(answer_tokens)) for p in _prompt_tokens(tok, train_rows)]
     lengths = [n for n in lengths for _ in range(answers)]
     batches = plan_batches(lengths, o.batch_tokens, r.seed, 0)[0]
