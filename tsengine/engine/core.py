@@ -1,9 +1,10 @@
-"""The engine core: one `step()` = schedule → run the target → verify → commit → propose.
+"""The engine core: one `step()` = schedule → run the target → verify → commit → emit → propose.
 
     schedule  Scheduler: running requests' decode/verify windows first, then prefill chunks, in one budget
     run       ModelRunner: one flat forward over every run; logits for the rows that draw a token
     verify    Verifier: draws keyed by (seed, position); each verify window accepts its path (one host sync)
     commit    here: num_cached and tokens advance, stop rules finish requests, spare blocks go back
+    emit      here: the step's tokens go to the listening server before drafting starts
     propose   Proposer: the speculation method extends its state over the committed rows and drafts
 
 A request's life: server/LLM → `add_request` (a `Sequence`) → `Scheduled` runs → `Forward` → `Verdict` →
@@ -138,8 +139,9 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # ---- one step ---------------------------------------------------------------------------------------
+    # ---- monitoring -------------------------------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
+        """What /metrics reads at scrape time (from another thread: plain reads, no locks)."""
         sched, blocks, prefix = self.scheduler, self.runner.blocks, self.scheduler.prefix
         return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting),
                               kv_cache_usage=1 - blocks.num_free / max(1, blocks.num_blocks),
