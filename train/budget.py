@@ -23,10 +23,7 @@ from tsengine.errors import UserError
 MIN_ROWS = 8  # fewer training rows than this is no recipe: the budget is refused
 MAX_EPOCH_FACTOR = 4  # time left after all the rows buys at most this many times the recipe's epochs
 SLACK = 0.9  # the share of the budget the plan fills: model loads, the vocab, start-up and misestimates
-# A compiled graph's first use stalls for a while (docs/design/graphs.md); the eval compiles its shapes cold
-# on a fresh machine, so each shape is priced so (calibrated on a budgeted SmolLM2 run: docs/benchmarks.md,
-# "Budget planning").
-EVAL_COMPILE_S = 240.0
+EVAL_START_S = 30.0  # an eval shape's engine start and its oracle prompts (the eval runs eagerly: no compiles)
 SPEC_OVERHEAD = 1.5  # an eval shape's time per token against plain decoding's, for a weak head (pessimistic)
 TRAIN_OVERHEAD = 1.15  # the loop's validation passes, checkpoints, logging and feature reads on top of its steps
 
@@ -115,7 +112,7 @@ def measure(r, tok, train_rows: list, cfg, model, probe_dir: Path) -> Rates:
     e = r.eval
     shapes = 2 if e.tree else 1  # each shape decodes all its prompts as one batch (infer/eval.py)
     s_per_token = regen_s / max(1.0, answer_tokens)
-    eval_s = shapes * (e.num_prompts * e.max_new_tokens * s_per_token * SPEC_OVERHEAD + EVAL_COMPILE_S)
+    eval_s = shapes * (e.num_prompts * e.max_new_tokens * s_per_token * SPEC_OVERHEAD + EVAL_START_S)
     batches_per_row = len(batches) / max(1, len(lengths))  # micro-batches (each one timed step) per answer row
     return Rates(regen_s_per_row=regen_s * answers, tokens_per_row=answer_tokens * answers,
                  train_s_per_row=answers * batches_per_row * step_s * TRAIN_OVERHEAD, eval_s=round(eval_s, 1),

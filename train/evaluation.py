@@ -43,8 +43,11 @@ def evaluate(r, model, tok, root: Path, user_sized: bool = False) -> dict:
 
     shapes = [e.chain] + ([e.tree] if e.tree else [])
     t0 = time.time()
+    # eagerly: a one-off eval of a few thousand tokens per shape does not earn back a graph's cold compile
+    # (measured: docs/benchmarks.md, "Budget planning"); the tokens are the same either way
     res = measure(e.backend, prompts_from(val_rows, tok, num), shapes, new, target=resolve(r.target),
-                  draft=str(root / "export"), reference=reference, oracle_prompts=min(e.oracle_prompts, num))
+                  draft=str(root / "export"), reference=reference, oracle_prompts=min(e.oracle_prompts, num),
+                  **({"enforce_eager": True} if e.backend == "engine" else {}))
     wall = round(time.time() - t0, 1)
     print(table(res))
     (root / "eval.json").write_text(json.dumps(res, indent=1))
