@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32, help="HF generate batch (the recipe's regen.batch_size)")
     p.add_argument("--engine-seqs", default="32,64", help="engine max_num_seqs values, one row each")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--dtypes", default="float32", help="the engine's dtype for each engine row (float32,bfloat16)")
     args = p.parse_args()
 
     from tsengine.eagle3.config import default_aux_layer_ids
@@ -68,20 +69,24 @@ def main() -> None:
         Regenerator(model, tok, args.batch, args.max_new_tokens).run(rows, out, progress=False)
         recs = [json.loads(x) for x in out.read_text().splitlines()]
         row(f"HF generate (batch {args.batch})", time.perf_counter() - t0, output_tokens(tok, recs), recs)
-    for seqs in [int(x) for x in args.engine_seqs.split(",")]:
-        out = work / f"engine{seqs}.jsonl"
-        regen = EngineRegenerator(path, tok, seqs, args.max_new_tokens)
-        t0 = time.perf_counter()
-        regen.run(rows, out, progress=False)
-        recs = [json.loads(x) for x in out.read_text().splitlines()]
-        row(f"engine (max_num_seqs {seqs})", time.perf_counter() - t0, output_tokens(tok, recs), recs)
+    dtypes = args.dtypes.split(",")
+    for dtype in dtypes:
+        for seqs in [int(x) for x in args.engine_seqs.split(",")]:
+            out = work / f"engine{seqs}-{dtype}.jsonl"
+            regen = EngineRegenerator(path, tok, seqs, args.max_new_tokens, dtype=dtype)
+            t0 = time.perf_counter()
+            regen.run(rows, out, progress=False)
+            recs = [json.loads(x) for x in out.read_text().splitlines()]
+            row(f"engine {dtype} (max_num_seqs {seqs})", time.perf_counter() - t0, output_tokens(tok, recs), recs)
     seqs = int(args.engine_seqs.split(",")[-1])
     layers = default_aux_layer_ids(model.config.num_hidden_layers)
-    writer = ShardWriter(work / "capture", "bench", "shard", "float32", 32768)
-    regen = EngineRegenerator(path, tok, seqs, args.max_new_tokens, capture_layer_ids=layers)
-    t0 = time.perf_counter()
-    regen.run(rows, writer=writer, progress=False)
-    row(f"engine + capture (max_num_seqs {seqs})", time.perf_counter() - t0, regen.tokens_out)  # exact count
+    for dtype in dtypes:
+        writer = ShardWriter(work / f"capture-{dtype}", "bench", "shard", "float32", 32768)
+        regen = EngineRegenerator(path, tok, seqs, args.max_new_tokens, capture_layer_ids=layers, dtype=dtype)
+        t0 = time.perf_counter()
+        regen.run(rows, writer=writer, progress=False)
+        # exact count of generated tokens
+        row(f"engine {dtype} + capture (max_num_seqs {seqs})", time.perf_counter() - t0, regen.tokens_out)
     base = results[0][1]
     print("\n| backend | output tok/s | vs first row | tokens | wall s |\n| --- | --- | --- | --- | --- |")
     for name, rate, tokens, seconds in results:

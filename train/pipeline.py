@@ -266,6 +266,8 @@ def run(r: Recipe, dry_run: bool = False, user_sized: bool = False) -> dict:
     if r.budget_minutes is not None:
         r = ctx.r = _budgeted(ctx, start)
     ctx.report["recipe"] = r.model_dump(mode="json")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # resolved "auto"s: what this machine ran
+    ctx.report["precision"] = {"regen": r.regen.engine_dtype(), "train": r.train.precision(device)}
     stage_s = ctx.report.setdefault("stage_s", {})  # what each stage took (the eval's entry is written after it)
     for stage in STAGES:
         if stage.applies(r):
@@ -278,6 +280,9 @@ def run(r: Recipe, dry_run: bool = False, user_sized: bool = False) -> dict:
 def _budgeted(ctx: Run, start: float) -> Recipe:
     """The recipe with its data and epochs sized to its budget on this machine (train/budget.py): planned
     once by rank 0 (kept in DIR/plan.json, so a relaunch keeps the size and its caches), read by the others."""
+    import torch
+
+    from tsengine.model.precision import bf16_units
     from tsengine.train import budget
 
     r, root, path = ctx.r, ctx.root, ctx.root / "plan.json"
@@ -290,14 +295,20 @@ def _budgeted(ctx: Run, start: float) -> Recipe:
             train, val = source_splits(unsized, root)
             val = subset(val, r.data.max_val_samples, r.seed)
             rates = budget.measure(r, ctx.tok, train, ctx.cfg, ctx.model, root / "budget-probe")
-            plan = budget.size(budget_s, rates, available_rows=len(train), epochs=r.train.epochs, val_rows=len(val))
+            # a size the user set (data.max_samples, --max-samples) caps the prompts and is never grown
+            cap = r.data.max_samples
+            plan = budget.size(budget_s, rates, available_rows=len(train) if cap is None else min(cap, len(train)),
+                               epochs=r.train.epochs, val_rows=len(val), answers=budget.answers_per_prompt(r.regen),
+                               grow=cap is None)
             budget.save(plan, rates, path)
         plan = plan or budget.load(path, budget_s)
     if ctx.state.is_main_process:
-        print(f"plan: {plan.describe()}", flush=True)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        print(f"plan: {plan.describe()}; regeneration in {r.regen.engine_dtype()}, training precision "
+              f"{r.train.precision(device)} (this {device}'s bf16 unit: {bf16_units(device) or 'none'})", flush=True)
     sized = r.model_copy(deep=True)
-    cap = r.data.max_samples  # the user's own limit still holds
-    sized.data.max_samples = plan.rows if cap is None else min(cap, plan.rows)
+    sized.data.max_samples = plan.rows
+    sized.regen = budget.sized_regen(r.regen, plan.answers)
     sized.train.epochs = plan.epochs
     ctx.deadline = start + plan.train_deadline_s
     ctx.report["budget"] = {"plan": json.loads(path.read_text()), "start": start}

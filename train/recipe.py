@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tsengine.errors import UserError
 
@@ -47,6 +47,20 @@ class Regen(_Strict):
     # answers per prompt drawn at `temperature` (> 0 when above 1), each with its own keyed seed
     samples_per_prompt: int = Field(1, ge=1, le=64)
     include_greedy: bool = False  # also the greedy answer of every prompt (with temperature > 0)
+    # the target's dtype while it answers and its features are captured. auto: bfloat16 where the device
+    # computes bf16 natively (AMX-bf16 / AVX512-bf16 CPUs, Ampere+ GPUs; tsengine/model/precision.py), else
+    # float32. Either way the eval and the engine serve the target in its own dtype.
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    def engine_dtype(self, device: str | None = None) -> str:
+        """The dtype the engine answers in on `device` (None: the engine's default device)."""
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        from tsengine.model.precision import fast_dtype
+
+        return fast_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class Vocab(_Strict):
@@ -80,11 +94,27 @@ class Optim(_Strict):
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     betas: tuple[float, float] = (0.9, 0.95)
     loss_chunk_tokens: int = Field(2048, ge=16, le=1 << 24)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    # auto: bf16 autocast where the device computes bf16 natively (GPU; AMX-bf16 / AVX512-bf16 CPUs), else fp32
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     checkpoint_every: int = Field(200, ge=1)
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     eval_every: int = Field(200, ge=1)
     log_every: int = Field(10, ge=1)
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        return "no" if v is False else v  # YAML reads a bare `no` (`train.mixed_precision=no`) as false
+
+    def precision(self, device: str) -> str:
+        """accelerate's mixed_precision on `device` ("cpu" or "cuda"): "auto" resolved."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        if device.startswith("cuda"):
+            return "bf16"
+        from tsengine.model.precision import bf16_units
+
+        return "bf16" if bf16_units(device) else "no"
 
 
 class Log(_Strict):

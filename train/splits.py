@@ -87,7 +87,9 @@ def regenerate(r, model, tok, rows: list, out: Path) -> list:
     # what decides an answer: the engine keys its draws by row id, so its batch size does not count
     settings = {"source": r.data.source, "target": r.target, "tokenizer": tokenizer_digest(tok),
                 "max_length": r.data.max_length,
-                **r.regen.model_dump(exclude={"batch_size"} if r.regen.backend == "engine" else set())}
+                **r.regen.model_dump(exclude={"batch_size", "dtype"} if r.regen.backend == "engine" else {"dtype"})}
+    if r.regen.backend == "engine" and r.regen.engine_dtype() != "float32":  # fp32: the key of runs before it
+        settings["dtype"] = r.regen.engine_dtype()
     side = out.with_suffix(".settings.json")
     if side.exists() and json.loads(side.read_text()) != settings:
         out.unlink(missing_ok=True)
@@ -102,7 +104,7 @@ def regenerate(r, model, tok, rows: list, out: Path) -> list:
         from tsengine.train.regen_engine import EngineRegenerator
 
         regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed,
-                                  r.data.max_length)
+                                  r.data.max_length, dtype=g.engine_dtype())
         skipped = regen.run(rows, out)
         tokens = regen.tokens_out
     else:  # HF generate samples one temperature per call: one pass per temperature

@@ -86,18 +86,24 @@ def test_tiny_end_to_end(tiny_dirs, tiny_models, tmp_path):
 
 
 def test_a_budget_sizes_the_run_from_this_machines_speeds(tiny_dirs, tmp_path):
-    """budget_minutes: the run measures this machine, plans rows and epochs (kept in plan.json), trains the
-    planned size and reports plan beside actual; a relaunch keeps the plan and redoes nothing."""
+    """budget_minutes: the run measures this machine, plans prompts, answers and epochs (kept in plan.json),
+    regenerates and trains the planned size and reports plan beside actual; a relaunch keeps the plan and
+    redoes nothing."""
     path = recipe(tmp_path, tiny_dirs["llama"], budget_minutes=30, train={"epochs": 1})
     r = launch("--recipe", str(path))
     run = tmp_path / "run"
     saved = json.loads((run / "plan.json").read_text())
-    assert saved["rates"]["regen_s_per_row"] > 0 and saved["rates"]["train_s_per_row"] > 0
+    assert saved["rates"]["regen_s_per_answer"] > 0 and saved["rates"]["train_s_per_answer"] > 0
     plan = saved["plan"]
-    assert plan["rows"] == 48 and plan["epochs"] == 4  # every row fits: time left buys epochs, up to 4x the recipe's
-    assert "plan: budget 30.0 min: 48 training rows x 4 epochs" in r.stdout
+    # every prompt fits: the time left buys sampled answers (up to 4 a prompt), then epochs (up to 4x the recipe's)
+    assert plan["rows"] == 48 and plan["answers"] == 4 and plan["epochs"] == 4
+    assert "plan: budget 30.0 min: 48 training prompts x 4 answers x 4 epochs" in r.stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["data"]["train"]["rows"] == 48 and summary["recipe"]["train"]["epochs"] == 4
+    assert summary["data"]["train"]["rows"] == 48 * 4 and summary["recipe"]["train"]["epochs"] == 4
+    g = summary["recipe"]["regen"]  # the greedy answer and 3 sampled at T 0.7, each its own row
+    assert (g["temperature"], g["include_greedy"], g["samples_per_prompt"]) == (0.7, True, 3)
+    used = [json.loads(x)["id"] for x in (run / "data" / "used" / "train.jsonl").read_text().splitlines()]
+    assert len(used) == 48 * 4 and sum("~s" not in i for i in used) == 48
     assert summary["train"]["stopped_by"] == "steps" and summary["budget"]["within_budget"]
     assert {"data", "regenerate", "train"} <= set(summary["stage_s"])
     assert not (run / "budget-probe").exists()
@@ -110,7 +116,8 @@ def test_a_budgeted_run_stops_training_at_its_deadline_and_keeps_the_head(tiny_d
     exported and checkpointed (a plan whose deadline has passed at the start: one step)."""
     run = tmp_path / "run"
     run.mkdir()
-    plan = {"budget_s": 600.0, "rows": 24, "epochs": 4, "expected_s": {}, "train_deadline_s": 0.0}
+    plan = {"budget_s": 600.0, "rows": 24, "answers": 1, "epochs": 4, "expected_s": {}, "train_deadline_s": 0.0,
+            "tokens": 0.0}
     (run / "plan.json").write_text(json.dumps({"plan": plan, "rates": {}}))
     launch("--recipe", str(recipe(tmp_path, tiny_dirs["llama"], budget_minutes=10)))
     summary = json.loads((run / "summary.json").read_text())
@@ -129,7 +136,9 @@ def test_offline_features_train_like_online(tiny_dirs, tmp_path):
         launch("--recipe", str(recipe(d, tiny_dirs["qwen3"], data={"regenerate": False, "source": str(
             write_rows(d / "chat.jsonl", 40, 5, with_answers=True)), "val_source": str(
             write_rows(d / "chatval.jsonl", 4, 6, with_answers=True))}, features={"mode": mode},
-            train={"epochs": 1, "max_steps": 8, "eval_every": 100}, eval={"num_prompts": 1, "tree": None})))
+            # fp32 both ways: the claim is equality up to GEMM blocking, which bf16 autocast would round away
+            train={"epochs": 1, "max_steps": 8, "eval_every": 100, "mixed_precision": "no"},
+            eval={"num_prompts": 1, "tree": None})))
         losses[mode] = [(r["loss"], r["acc_0"]) for r in metrics(d / "run")]
     index = json.loads((tmp_path / "offline/run/features/train/index.json").read_text())
     assert index["bytes_per_token"] == pytest.approx((3 * 64 + 64) * 4 + 4, rel=0.05)  # fp32 aux+final, int32 argmax
@@ -137,6 +146,26 @@ def test_offline_features_train_like_online(tiny_dirs, tmp_path):
     # same features up to fp32 GEMM blocking (the dump batches differently): the runs agree closely
     for (a, x), (b, y) in zip(losses["online"], losses["offline"]):
         assert a == pytest.approx(b, rel=1e-5) and x == y
+
+
+def test_bf16_regeneration_and_training_make_a_head_for_the_fp32_target(tiny_dirs, tiny_models, tmp_path):
+    """What `auto` picks on a CPU with bf16 units (forced here, so every CPU runs it; emulated where there are
+    none): answers and features from the target in bf16, training under bf16 autocast. The head still learns,
+    is exported in fp32, and speculation with it against the fp32 target is lossless."""
+    launch("--recipe", str(recipe(tmp_path, tiny_dirs["llama"], regen={"dtype": "bfloat16"},
+                                  features={"mode": "offline"}, train={"mixed_precision": "bf16"})))
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["precision"] == {"regen": "bfloat16", "train": "bf16"}
+    losses = [r["loss"] for r in metrics(run)]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1
+    model, tok = tiny_models["llama"]
+    head = load_head(run / "export", target=model.config, embeddings=model.get_input_embeddings().weight)
+    assert {p.dtype for p in head.parameters()} == {torch.float32}
+    prompt = encode_prompt(tok, "the water")
+    greedy = greedy_generate(model, prompt, 20, eos_ids(model, tok))
+    out = ReferenceSpeculator(model, head, SpecShape(3, 1, 4)).generate(prompt, 20, eos_ids(model, tok))
+    assert_lossless(model, prompt, out.tokens, greedy)
 
 
 def test_resume_after_kill_matches_uninterrupted(tiny_dirs, tmp_path):
