@@ -48,7 +48,7 @@ class Plan:
     budget_s: float
     rows: int  # training prompts answered and trained on (data.max_samples)
     answers: int  # answers per prompt: the recipe's, or more (greedy + sampled) when every prompt fits
-    epochs: int
+    epochs: float  # the last may be a fraction: the time the whole answers could not use
     expected_s: dict[str, float]  # stage -> seconds: probe, regenerate, train, eval
     train_deadline_s: float  # seconds after the run's start at which training stops
     tokens: float = 0.0  # expected trained-on tokens
@@ -56,17 +56,18 @@ class Plan:
     def describe(self) -> str:
         e = self.expected_s
         answers = f" x {self.answers} answers" if self.answers > 1 else ""
-        return (f"budget {self.budget_s / 60:.1f} min: {self.rows} training prompts{answers} x {self.epochs} epochs"
+        return (f"budget {self.budget_s / 60:.1f} min: {self.rows} training prompts{answers} x {self.epochs:g} epochs"
                 f" (~{self.tokens / 1000:.0f}k trained-on tokens); expected "
                 + ", ".join(f"{k} {v / 60:.1f} min" for k, v in e.items())
                 + f"; training stops by minute {self.train_deadline_s / 60:.1f}")
 
 
-def size(budget_s: float, rates: Rates, *, available_rows: int, epochs: int, val_rows: int,
+def size(budget_s: float, rates: Rates, *, available_rows: int, epochs: float, val_rows: int,
          answers: int = 1, grow: bool = True) -> Plan:
     """The most training prompts the budget holds with the recipe's `answers` per prompt at its epochs (the
     validation prompts are answered too, once each); if every prompt fits and `grow`, more answers per prompt
-    (up to MAX_ANSWERS), then more epochs (up to MAX_EPOCH_FACTOR times the recipe's) with the time left.
+    (up to MAX_ANSWERS), then more epochs (up to MAX_EPOCH_FACTOR times the recipe's, in tenths: whole
+    answers leave time over, and a fraction of an epoch is a shorter last pass) with the time left.
     Refuses a budget that holds fewer than MIN_ROWS prompts, naming the smallest that would do."""
     fixed = rates.probe_s + rates.eval_s + val_rows * rates.regen_s_per_answer
     spend = budget_s * SLACK - fixed
@@ -82,7 +83,7 @@ def size(budget_s: float, rates: Rates, *, available_rows: int, epochs: int, val
         answers = max(answers, min(MAX_ANSWERS, math.floor(spend / (rows * per_answer))))
         left = spend - rows * answers * rates.regen_s_per_answer
         epochs = max(epochs, min(epochs * MAX_EPOCH_FACTOR,
-                                 math.floor(left / (rows * answers * rates.train_s_per_answer))))
+                                 math.floor(10 * left / (rows * answers * rates.train_s_per_answer)) / 10))
     regen_s = (rows * answers + val_rows) * rates.regen_s_per_answer
     train_s = rows * answers * epochs * rates.train_s_per_answer
     expected = {"probe": rates.probe_s, "regenerate": regen_s, "train": train_s, "eval": rates.eval_s}
@@ -90,6 +91,14 @@ def size(budget_s: float, rates: Rates, *, available_rows: int, epochs: int, val
                 expected_s={k: round(v, 1) for k, v in expected.items()},
                 train_deadline_s=budget_s - rates.eval_s - (1 - SLACK) * budget_s / 2,
                 tokens=round(rows * answers * rates.tokens_per_answer))
+
+
+def fit_epochs(planned: float, rates: Rates, answers: int, left_s: float) -> float:
+    """The epochs that fit the `left_s` seconds before the deadline at the measured training rate, never more
+    than `planned` (in tenths, at least one tenth): a regeneration that ran over its estimate shortens
+    training by its schedule, so the learning rate still anneals where training ends."""
+    per_epoch = answers * rates.train_s_per_answer
+    return min(planned, max(0.1, math.floor(10 * left_s / per_epoch) / 10)) if per_epoch > 0 else planned
 
 
 def answers_per_prompt(regen) -> int:

@@ -172,10 +172,37 @@ def _train(ctx: Run) -> None:
     stores, report = ctx.stores, ctx.report
     if stores["train"] is not None:
         report["feature_bytes_per_token"] = stores["train"].meta["bytes_per_token"]
+    if ctx.deadline is not None:
+        ctx.r = _fit_to_deadline(ctx)
     trainer = Trainer(ctx.r, ctx.head, ctx.model, ctx.data["train"], ctx.data["val"], stores["train"], stores["val"])
     resumed = trainer.resume()
     report["resumed_from_step"] = trainer.state.step if resumed else None
     report["train"] = trainer.train(deadline=ctx.deadline)
+
+
+def _fit_to_deadline(ctx: Run) -> Recipe:
+    """A budgeted run's epochs re-fitted when training starts, to the time left before the deadline (the data
+    stages may have run over or under their estimate). Rank 0 decides once and keeps it in plan.json, so
+    every rank, and a relaunch resuming a checkpoint, trains the same schedule."""
+    from tsengine.train import budget
+
+    path = ctx.root / "plan.json"
+    with ctx.state.main_process_first():
+        saved = json.loads(path.read_text())
+        if "fitted_epochs" not in saved and ctx.state.is_main_process:
+            rates, answers = budget.Rates(**saved["rates"]), len(ctx.data["train"])
+            left = ctx.deadline - time.time()
+            saved["fitted_epochs"] = budget.fit_epochs(ctx.r.train.epochs, rates, answers, left)
+            saved["fitted_at_s"] = round(time.time() - ctx.report["budget"]["start"], 1)
+            path.write_text(json.dumps(saved, indent=1))
+        saved = json.loads(path.read_text())
+    if ctx.state.is_main_process and saved["fitted_epochs"] != ctx.r.train.epochs:
+        print(f"budget: {saved['fitted_epochs']:g} epochs fit before the deadline (planned {ctx.r.train.epochs:g})",
+              flush=True)
+    ctx.report["budget"]["plan"] = saved
+    fitted = ctx.r.model_copy(deep=True)
+    fitted.train.epochs = saved["fitted_epochs"]
+    return fitted
 
 
 def _eval(ctx: Run) -> None:

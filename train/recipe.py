@@ -86,7 +86,7 @@ class Optim(_Strict):
     lr: float = Field(1e-4, gt=0.0, le=1.0)
     warmup_ratio: float = Field(0.02, ge=0.0, le=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    epochs: int = Field(1, ge=1, le=1000)
+    epochs: float = Field(1, gt=0, le=1000)  # a fraction ends within the last epoch (as HF's num_train_epochs)
     max_steps: Optional[int] = Field(None, ge=1)  # optimizer steps; stops early
     batch_tokens: int = Field(8192, ge=16, le=1 << 24)  # padded tokens per micro-batch per rank
     grad_accum: int = Field(1, ge=1, le=1024)

@@ -119,7 +119,7 @@ class Trainer:
                             f"fewer than train.grad_accum={o.grad_accum}: use more data, smaller "
                             "train.batch_tokens or a smaller grad_accum")
         self.steps_per_epoch = per_epoch // o.grad_accum
-        total = self.steps_per_epoch * o.epochs
+        total = max(1, round(self.steps_per_epoch * o.epochs))
         self.total_steps = min(total, o.max_steps) if o.max_steps else total
         # The scheduler is stepped by us once per optimizer step (not prepared: accelerate would step it
         # once per process) and registered so checkpoints carry it.

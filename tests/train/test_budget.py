@@ -16,6 +16,7 @@ from tsengine.train.budget import (
     Plan,
     Rates,
     answers_per_prompt,
+    fit_epochs,
     load,
     save,
     size,
@@ -44,8 +45,9 @@ def test_time_left_after_every_prompt_buys_answers_then_epochs():
     some = size(3600, RATES, available_rows=300, epochs=3, val_rows=10)
     # 300 prompts x 3.5 s = 1,050 s of the ~3,070 s to spend: 2 answers a prompt fit, 3 do not
     assert some.rows == 300 and some.answers == 2 and some.tokens == 300 * 2 * 100
-    assert some.epochs > 3  # the time a third answer could not use buys epochs
-    assert _planned_s(some) <= 3600 * SLACK
+    assert some.epochs > 3  # the time a third answer could not use buys epochs, to a tenth of one
+    tenth = 0.1 * 300 * 2 * RATES.train_s_per_answer
+    assert 3600 * SLACK - tenth < _planned_s(some) <= 3600 * SLACK
     few = size(3600, RATES, available_rows=100, epochs=2, val_rows=10)
     assert few.answers == MAX_ANSWERS and 2 < few.epochs <= 2 * MAX_EPOCH_FACTOR
     assert _planned_s(few) <= 3600 * SLACK
@@ -85,3 +87,10 @@ def test_a_budget_too_small_is_refused_with_one_that_is_enough():
         size(60, RATES, available_rows=10_000, epochs=3, val_rows=50)
     enough = int(str(e.value).rsplit(" ", 1)[1])
     assert size(enough * 60, RATES, available_rows=10_000, epochs=3, val_rows=50).rows >= 8
+
+
+def test_training_refits_to_the_time_left_never_past_the_plan():
+    # 600 answers x 0.5 s = 300 s an epoch
+    assert fit_epochs(3.0, RATES, 600, 3600) == 3.0  # time to spare: the plan holds
+    assert fit_epochs(3.0, RATES, 600, 700) == 2.3  # regeneration ran over: 2.33 epochs fit, in tenths
+    assert fit_epochs(3.0, RATES, 600, -5) == 0.1  # past the deadline already: the least training there is

@@ -19,6 +19,8 @@ from tsengine.infer.reference import ReferenceSpeculator, SpecShape, greedy_gene
 from tsengine.targets import encode_prompt, eos_ids
 
 REPO = Path(__file__).resolve().parents[2]
+RATES = {"regen_s_per_answer": 1.0, "tokens_per_answer": 20.0, "train_s_per_answer": 0.2, "eval_s": 30.0,
+         "probe_s": 1.0}
 
 
 def recipe(tmp: Path, target: Path, **over) -> Path:
@@ -113,12 +115,13 @@ def test_a_budget_sizes_the_run_from_this_machines_speeds(tiny_dirs, tmp_path):
 
 def test_a_budgeted_run_stops_training_at_its_deadline_and_keeps_the_head(tiny_dirs, tmp_path):
     """The plan's deadline ends training whatever the estimate said: the step that reaches it is validated,
-    exported and checkpointed (a plan whose deadline has passed at the start: one step)."""
+    exported and checkpointed (a plan whose deadline has passed at the start, its epochs already fitted
+    (a relaunch): one step)."""
     run = tmp_path / "run"
     run.mkdir()
     plan = {"budget_s": 600.0, "rows": 24, "answers": 1, "epochs": 4, "expected_s": {}, "train_deadline_s": 0.0,
             "tokens": 0.0}
-    (run / "plan.json").write_text(json.dumps({"plan": plan, "rates": {}}))
+    (run / "plan.json").write_text(json.dumps({"plan": plan, "rates": RATES, "fitted_epochs": 4}))
     launch("--recipe", str(recipe(tmp_path, tiny_dirs["llama"], budget_minutes=10)))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["data"]["train"]["rows"] == 24
@@ -126,6 +129,37 @@ def test_a_budgeted_run_stops_training_at_its_deadline_and_keeps_the_head(tiny_d
     assert train["stopped_by"] == "budget" and train["steps"] == 1 < train["planned_steps"]
     assert (run / "export" / "model.safetensors").exists() and metrics(run, "val")[-1]["step"] == 1
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000001"]
+
+
+def test_a_fractional_epoch_ends_within_the_last_pass(tiny_dirs, tmp_path):
+    """train.epochs 1.5 (what a budget plans with time left over): the first pass whole, then half of the
+    second, with the cosine schedule ending at that step."""
+    launch("--recipe", str(recipe(tmp_path, tiny_dirs["llama"], train={"epochs": 1.5, "eval_every": 1000},
+                                  eval={"num_prompts": 1, "tree": None})))
+    rows = metrics(tmp_path / "run")
+    per_epoch = sum(r["epoch"] == 0 for r in rows)
+    assert per_epoch > 2 and len(rows) == round(1.5 * per_epoch) and rows[-1]["epoch"] == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["train"]["planned_steps"] == len(rows) and rows[-1]["lr"] < 1e-6 < rows[len(rows) // 2]["lr"]
+
+
+def test_training_is_refitted_to_the_time_left_when_it_starts(tiny_dirs, tmp_path):
+    """Data stages that overran their estimate shorten training by its schedule (fewer epochs, the learning
+    rate annealed where it ends), decided once and kept in plan.json; here the deadline has passed at the
+    start, so a tenth of an epoch is what fits."""
+    run = tmp_path / "run"
+    run.mkdir()
+    plan = {"budget_s": 600.0, "rows": 24, "answers": 1, "epochs": 4, "expected_s": {}, "train_deadline_s": 0.0,
+            "tokens": 0.0}
+    (run / "plan.json").write_text(json.dumps({"plan": plan, "rates": RATES}))
+    r = launch("--recipe", str(recipe(tmp_path, tiny_dirs["llama"], budget_minutes=10)))
+    assert "budget: 0.1 epochs fit before the deadline (planned 4)" in r.stdout
+    saved = json.loads((run / "plan.json").read_text())
+    assert saved["fitted_epochs"] == 0.1 and saved["plan"] == plan
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["budget"]["plan"]["fitted_epochs"] == 0.1
+    rows = metrics(run)
+    assert summary["train"]["planned_steps"] == len(rows) and rows[-1]["lr"] < 1e-6  # annealed at its end
 
 
 def test_offline_features_train_like_online(tiny_dirs, tmp_path):
