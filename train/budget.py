@@ -29,7 +29,9 @@ SAMPLE_TEMPERATURE = 0.7  # the sampled answers' temperature when the recipe's a
 SLACK = 0.9  # the share of the budget the plan fills: model loads, the vocab, start-up and misestimates
 EVAL_START_S = 30.0  # an eval shape's engine start and its oracle prompts (the eval runs eagerly: no compiles)
 SPEC_OVERHEAD = 1.5  # an eval shape's time per token against plain decoding's, for a weak head (pessimistic)
-TRAIN_OVERHEAD = 1.15  # the loop's validation passes, checkpoints, logging and feature reads on top of its steps
+# the loop's validation passes, checkpoints, logging and feature reads on top of its probed steps: measured
+# 1.39 on the budgeted hour (docs/benchmarks.md, 1,777 s trained against 1,467 s planned at 1.15)
+TRAIN_OVERHEAD = 1.4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +142,10 @@ def measure(r, tok, train_rows: list, cfg, model, probe_dir: Path) -> Rates:
 
     t0 = time.time()
     g, o = r.regen, r.train
-    regen_s, answer_tokens = _regen_probe(r, tok, train_rows[:min(64, g.batch_size)], probe_dir)
+    from tsengine.train.splits import captures
+
+    layer_ids = tuple(cfg.aux_layer_ids) if captures(r) else None
+    regen_s, answer_tokens = _regen_probe(r, tok, train_rows[:min(64, g.batch_size)], probe_dir, layer_ids)
     lengths = [min(r.data.max_length, p + round(answer_tokens)) for p in _prompt_tokens(tok, train_rows)]
     batches = plan_batches(lengths, o.batch_tokens, r.seed, 0)[0]
     typical = sorted(batches, key=len)[len(batches) // 2]
@@ -175,23 +180,28 @@ def _prompt_tokens(tok, rows: list) -> list[int]:
     return out
 
 
-def _regen_probe(r, tok, rows: list, probe_dir: Path) -> tuple[float, float]:
-    """(seconds an answer, tokens an answer) of the engine answering `rows` greedily at the recipe's batch
-    size (without capture: its cost is small next to decoding, and training's deadline absorbs it). Steady
-    state: a step that compiled a graph is priced as a typical step (the run compiles each shape once; a
-    probe of a few rows would be mostly compiles)."""
+def _regen_probe(r, tok, rows: list, probe_dir: Path, layer_ids: tuple[int, ...] | None) -> tuple[float, float]:
+    """(seconds an answer, tokens an answer) of the engine answering `rows` at the recipe's batch size as the
+    regenerate stage will: its features captured (`layer_ids`, when the recipe captures), and, where the
+    recipe's answers are greedy, half of the rows sampled at SAMPLE_TEMPERATURE as the answers the budget may
+    add (on the hour's run, sampling and capture made a token ~35% dearer than the greedy probe without
+    capture priced it). Steady state: a step that compiled a graph is priced as a typical step (the run
+    compiles each shape once; a probe of a few rows would be mostly compiles)."""
     import shutil
     import statistics
 
     from tsengine.targets import resolve
+    from tsengine.train.features import ShardWriter
     from tsengine.train.regen_engine import EngineRegenerator
     from tsengine.train.regenerate import answer_rows
 
     g = r.regen
     shutil.rmtree(probe_dir, ignore_errors=True)
     regen = EngineRegenerator(resolve(r.target), tok, min(g.batch_size, len(rows)), g.max_new_tokens, g.top_p,
-                              g.seed, r.data.max_length, dtype=g.engine_dtype())
-    todo = answer_rows(rows, 0.0)
+                              g.seed, r.data.max_length, layer_ids, dtype=g.engine_dtype())
+    half = len(rows) // 2
+    todo = (answer_rows(rows[:half], 0.0) + answer_rows(rows[half:], SAMPLE_TEMPERATURE) if g.temperature == 0
+            else answer_rows(rows, g.temperature))
     engine, steps = regen.engine, []
     step = engine.step
 
@@ -202,7 +212,11 @@ def _regen_probe(r, tok, rows: list, probe_dir: Path) -> tuple[float, float]:
         return out
 
     engine.step = timed_step
-    regen.run(todo, out_path=probe_dir / "probe.jsonl", progress=False)
+    if layer_ids:
+        writer = ShardWriter(probe_dir, "probe", "shard", r.features.dtype, r.features.shard_tokens)
+        regen.run(todo, writer=writer, progress=False)
+    else:
+        regen.run(todo, out_path=probe_dir / "probe.jsonl", progress=False)
     warm = [t for t, compiled in steps if not compiled]
     seconds = sum(warm) + (statistics.median(warm) if warm else 0.0) * (len(steps) - len(warm))
     shutil.rmtree(probe_dir, ignore_errors=True)
