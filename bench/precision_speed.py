@@ -3,9 +3,10 @@ against bf16, side by side in one process (the order alternates so drift hits bo
 
     python bench/precision_speed.py [--prompts 64 --rounds 2]
 
-Regeneration: the built-in training prompts (a seeded subset, as bench/regen_speed.py takes them) answered
-greedily at the recipe's batch with the features captured, as the regenerate stage does; a step that
-compiled a graph is priced at the median step (steady state, as the budget's probe). Training: the
+Regeneration: the budget's own probe (train/budget.py) on the built-in training prompts (a seeded subset, as
+bench/regen_speed.py takes them) at the recipe's batch: features captured, half the answers greedy and
+half sampled at T 0.7, as the budgeted regenerate stage runs; a step that compiled a graph is priced at the
+median step (steady state). Training: the
 recipe's step (train/budget.py's probe: TTT unroll, loss, backward, AdamW) on the micro-batch shapes the
 budget probe sees, fp32 against bf16 autocast. Results: docs/benchmarks.md, "bf16 regeneration and training".
 On a CPU without bf16 units (precision.bf16_units() is None) bf16 is emulated: the table shows what that costs.
@@ -17,7 +18,6 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -25,24 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parent.parent
 
 
-def regen_tok_s(path: str, tok, rows: list, layers, dtype: str, seqs: int, max_new_tokens: int) -> float:
-    from tsengine.train.features import ShardWriter
-    from tsengine.train.regen_engine import EngineRegenerator
+def regen_tok_s(tok, rows: list, layers, dtype: str) -> float:
+    """Output tok/s of the budget's own regeneration probe (capture on, half the rows sampled) in `dtype`."""
+    from tsengine.train.budget import _regen_probe
+    from tsengine.train.recipe import load
 
-    writer = ShardWriter(Path(tempfile.mkdtemp()), "bench", "shard", "float32", 32768)
-    regen = EngineRegenerator(path, tok, seqs, max_new_tokens, capture_layer_ids=layers, dtype=dtype)
-    engine, steps, step = regen.engine, [], regen.engine.step
-
-    def timed():
-        before, t0 = engine.snapshot().compiled_graphs, time.perf_counter()
-        out = step()
-        steps.append((time.perf_counter() - t0, engine.snapshot().compiled_graphs != before))
-        return out
-
-    engine.step = timed
-    regen.run(rows, writer=writer, progress=False)
-    warm = [t for t, compiled in steps if not compiled]
-    return regen.tokens_out / (sum(warm) + statistics.median(warm) * (len(steps) - len(warm)))
+    r = load(str(REPO / "recipes" / "smollm2-135m.yaml"), [f"regen.dtype={dtype}"])
+    seconds, tokens = _regen_probe(r, tok, rows, Path(tempfile.mkdtemp()) / "probe", layers)
+    return tokens / seconds
 
 
 def main() -> None:
@@ -61,7 +51,6 @@ def main() -> None:
 
     path = str(resolve("smollm2-135m"))
     model, tok = load_target(path)
-    base = load(str(REPO / "recipes" / "smollm2-135m.yaml"))
     rows = prompts(args.prompts)
     layers = default_aux_layer_ids(model.config.num_hidden_layers)
     print(f"bf16 unit: {bf16_units('cpu') or 'none (bf16 is emulated)'}", flush=True)
@@ -69,8 +58,7 @@ def main() -> None:
     train = {(m, s): [] for m in ("no", "bf16") for s in ((3, 170), (1, 512))}
     for i in range(args.rounds):
         for dtype in (("float32", "bfloat16") if i % 2 == 0 else ("bfloat16", "float32")):
-            regen[dtype].append(regen_tok_s(path, tok, rows, layers, dtype, base.regen.batch_size,
-                                            base.regen.max_new_tokens))
+            regen[dtype].append(regen_tok_s(tok, rows, layers, dtype))
             print(f"regenerate + capture {dtype}: {regen[dtype][-1]:.1f} tok/s", flush=True)
         for mode, shape in train:
             r = load(str(REPO / "recipes" / "smollm2-135m.yaml"), [f"train.mixed_precision={mode}"])
