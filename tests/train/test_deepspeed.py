@@ -43,7 +43,8 @@ def _recipe(tmp: Path, target: Path) -> Path:
                   "val_source": str(_chat_rows(tmp / "val.jsonl", 6, 1)), "max_length": 128},
          "vocab": {"draft_vocab_size": 160}, "features": {"mode": "online"},
          "train": {"ttt_steps": 3, "lr": 3e-3, "epochs": 4, "batch_tokens": 384, "grad_accum": 2, "grad_clip": 0.5,
-                   "checkpoint_every": 5, "keep_checkpoints": 2, "eval_every": 1000, "log_every": 1},
+                   "checkpoint_every": 5, "keep_checkpoints": 2, "eval_every": 1000, "log_every": 1,
+                   "mixed_precision": "no"},  # fp32 on every CPU: the claim is equal fp32 math (bf16 ZeRO differs)
          "log": {"report_to": "none"},
          "eval": {"num_prompts": 1, "max_new_tokens": 8, "chain": [3, 1, 4], "tree": None}}
     path = tmp / "recipe.yaml"
