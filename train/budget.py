@@ -139,11 +139,10 @@ def measure(r, tok, train_rows: list, cfg, model, probe_dir: Path) -> Rates:
     trainer's precision, timed on a micro-batch of the typical shape (the batch plan of every row at its
     prompt's length plus the probe's mean answer); the eval's seconds from the decode speed."""
     from tsengine.train.batching import plan_batches
+    from tsengine.train.splits import captures
 
     t0 = time.time()
     g, o = r.regen, r.train
-    from tsengine.train.splits import captures
-
     layer_ids = tuple(cfg.aux_layer_ids) if captures(r) else None
     regen_s, answer_tokens = _regen_probe(r, tok, train_rows[:min(64, g.batch_size)], probe_dir, layer_ids)
     lengths = [min(r.data.max_length, p + round(answer_tokens)) for p in _prompt_tokens(tok, train_rows)]

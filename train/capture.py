@@ -65,13 +65,6 @@ def finalize_split(r, tok, rows: list[dict], split: str, root: Path, layer_ids: 
                      root, split, key)
 
 
-def _regen_settings(g) -> dict:
-    """The regen fields that decide an answer, with `dtype` as resolved on this machine (a bf16 answer may
-    differ from an fp32 one); fp32 leaves it out, keeping the key runs had before the field existed."""
-    out = g.model_dump(exclude={"batch_size", "samples_per_prompt", "include_greedy", "dtype"})
-    return out if g.engine_dtype() == "float32" else {**out, "dtype": g.engine_dtype()}
-
-
 def _key(r, tok, layer_ids: tuple[int, ...]) -> str:
     """What decides a row's prompt text and answer; not batch_size (the engine's draws are keyed by row
     id) nor samples_per_prompt/include_greedy (they decide which rows exist, and each keeps its own id)."""
@@ -82,7 +75,7 @@ def _key(r, tok, layer_ids: tuple[int, ...]) -> str:
     # asked for: N may change without redoing any row (0 keeps the key runs without them always had)
     return digest({"target": r.target, "tokenizer": tokenizer_digest(tok), "seed": r.seed,
                    "data": [d.source, d.split, d.val_source, d.val_split, VERSION if d.synthetic_prompts else 0],
-                   "regen": _regen_settings(r.regen),
+                   "regen": r.regen.cache_fields({"batch_size", "samples_per_prompt", "include_greedy"}),
                    "layers": list(layer_ids), "dtype": r.features.dtype, "max_length": d.max_length})
 
 

@@ -293,8 +293,7 @@ def run(r: Recipe, dry_run: bool = False, user_sized: bool = False) -> dict:
     if r.budget_minutes is not None:
         r = ctx.r = _budgeted(ctx, start)
     ctx.report["recipe"] = r.model_dump(mode="json")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # resolved "auto"s: what this machine ran
-    ctx.report["precision"] = {"regen": r.regen.engine_dtype(), "train": r.train.precision(device)}
+    ctx.report["precision"] = {"regen": r.regen.engine_dtype(), "train": r.train.precision()}  # "auto" resolved
     stage_s = ctx.report.setdefault("stage_s", {})  # what each stage took (the eval's entry is written after it)
     for stage in STAGES:
         if stage.applies(r):
@@ -307,9 +306,7 @@ def run(r: Recipe, dry_run: bool = False, user_sized: bool = False) -> dict:
 def _budgeted(ctx: Run, start: float) -> Recipe:
     """The recipe with its data and epochs sized to its budget on this machine (train/budget.py): planned
     once by rank 0 (kept in DIR/plan.json, so a relaunch keeps the size and its caches), read by the others."""
-    import torch
-
-    from tsengine.model.precision import bf16_units
+    from tsengine.model.precision import bf16_units, default_device
     from tsengine.train import budget
 
     r, root, path = ctx.r, ctx.root, ctx.root / "plan.json"
@@ -330,9 +327,8 @@ def _budgeted(ctx: Run, start: float) -> Recipe:
             budget.save(plan, rates, path)
         plan = plan or budget.load(path, budget_s)
     if ctx.state.is_main_process:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
         print(f"plan: {plan.describe()}; regeneration in {r.regen.engine_dtype()}, training precision "
-              f"{r.train.precision(device)} (this {device}'s bf16 unit: {bf16_units(device) or 'none'})", flush=True)
+              f"{r.train.precision()} (this {default_device()}'s bf16 unit: {bf16_units() or 'none'})", flush=True)
     sized = r.model_copy(deep=True)
     sized.data.max_samples = plan.rows
     sized.regen = budget.sized_regen(r.regen, plan.answers)

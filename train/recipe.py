@@ -56,11 +56,16 @@ class Regen(_Strict):
         """The dtype the engine answers in on `device` (None: the engine's default device)."""
         if self.dtype != "auto":
             return self.dtype
-        import torch
-
         from tsengine.model.precision import fast_dtype
 
-        return fast_dtype(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return fast_dtype(device)
+
+    def cache_fields(self, exclude: set[str]) -> dict:
+        """The fields that decide an answer, less `exclude`, with the dtype as resolved on this machine (a
+        bf16 answer may differ from an fp32 one); fp32 is left out, keeping the keys runs had before the
+        field existed."""
+        out, dtype = self.model_dump(exclude=exclude | {"dtype"}), self.engine_dtype()
+        return out if dtype == "float32" else {**out, "dtype": dtype}
 
 
 class Vocab(_Strict):
@@ -106,15 +111,15 @@ class Optim(_Strict):
     def _yaml_no(cls, v):
         return "no" if v is False else v  # YAML reads a bare `no` (`train.mixed_precision=no`) as false
 
-    def precision(self, device: str) -> str:
-        """accelerate's mixed_precision on `device` ("cpu" or "cuda"): "auto" resolved."""
+    def precision(self, device: str | None = None) -> str:
+        """accelerate's mixed_precision on `device` ("cpu" or "cuda"; None: the default device), "auto"
+        resolved."""
         if self.mixed_precision != "auto":
             return self.mixed_precision
-        if device.startswith("cuda"):
-            return "bf16"
-        from tsengine.model.precision import bf16_units
+        from tsengine.model.precision import bf16_units, default_device
 
-        return "bf16" if bf16_units(device) else "no"
+        device = device or default_device()
+        return "bf16" if device.startswith("cuda") or bf16_units(device) else "no"
 
 
 class Log(_Strict):

@@ -87,9 +87,8 @@ def regenerate(r, model, tok, rows: list, out: Path) -> list:
     # what decides an answer: the engine keys its draws by row id, so its batch size does not count
     settings = {"source": r.data.source, "target": r.target, "tokenizer": tokenizer_digest(tok),
                 "max_length": r.data.max_length,
-                **r.regen.model_dump(exclude={"batch_size", "dtype"} if r.regen.backend == "engine" else {"dtype"})}
-    if r.regen.backend == "engine" and r.regen.engine_dtype() != "float32":  # fp32: the key of runs before it
-        settings["dtype"] = r.regen.engine_dtype()
+                **(r.regen.cache_fields({"batch_size"}) if r.regen.backend == "engine"
+                   else r.regen.model_dump(exclude={"dtype"}))}  # the HF backend runs the target as loaded
     side = out.with_suffix(".settings.json")
     if side.exists() and json.loads(side.read_text()) != settings:
         out.unlink(missing_ok=True)

@@ -91,7 +91,7 @@ class Trainer:
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         self.r, o = recipe, recipe.train
-        mp = o.precision("cuda" if torch.cuda.is_available() else "cpu")
+        mp = o.precision()
         # cpu=True on a CPU machine, else torchrun runs unsynced copies; but under cpu=True accelerate drops
         # DeepSpeed without a word, so a DeepSpeed launch passes False (DeepSpeed's CPU accelerator: gloo).
         self.acc = Accelerator(mixed_precision=mp, gradient_accumulation_steps=o.grad_accum,

@@ -15,9 +15,15 @@ from __future__ import annotations
 import torch
 
 
-def bf16_units(device: torch.device | str = "cpu") -> str | None:
-    """The name of `device`'s native bf16 unit (for logs and plans), or None where bf16 is emulated."""
-    device = torch.device(device)
+def default_device() -> str:
+    """Where work goes when nothing says: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bf16_units(device: torch.device | str | None = None) -> str | None:
+    """The name of `device`'s (default: `default_device()`) native bf16 unit (for logs and plans), or None
+    where bf16 is emulated."""
+    device = torch.device(device or default_device())
     if device.type == "cuda":
         return f"CUDA {torch.cuda.get_device_name(device)}" if torch.cuda.is_bf16_supported() else None
     if device.type != "cpu":
@@ -36,6 +42,6 @@ def bf16_units(device: torch.device | str = "cpu") -> str | None:
     return None
 
 
-def fast_dtype(device: torch.device | str = "cpu") -> str:
+def fast_dtype(device: torch.device | str | None = None) -> str:
     """"bfloat16" where `device` has native bf16 units, else "float32" (the path every CPU has)."""
     return "bfloat16" if bf16_units(device) else "float32"
