@@ -29,6 +29,7 @@ class StepStats:
     loss: torch.Tensor  # differentiable mean CE over valid positions (0 if none)
     valid: torch.Tensor  # count, float
     correct: torch.Tensor  # draft argmax == target argmax, count
+    hits: torch.Tensor  # [B*T] bool: the draft's argmax was the target's at this base (False where not scored)
 
 
 class _FusedSoftCE(torch.autograd.Function):
@@ -94,10 +95,11 @@ def step_loss(head, out: torch.Tensor, valid: torch.Tensor, probs: torch.Tensor,
     n = idx.numel()
     if n == 0:  # keep the graph connected: DDP expects a gradient for every parameter
         zero = head.logits(out[:, :1]).sum() * 0.0
-        return StepStats(zero, torch.zeros((), device=out.device), torch.zeros((), device=out.device))
+        return StepStats(zero, torch.zeros((), device=out.device), torch.zeros((), device=out.device), valid.flatten())
     rows = head.norm(out.flatten(0, 1).index_select(0, idx))
     p = probs.index_select(0, where[idx + k + 1])
     with torch.autocast(out.device.type, enabled=False):  # the loss is fp32 even under bf16 autocast
         ce_sum, arg = _FusedSoftCE.apply(rows, head.lm_head.weight, p, chunk)
-    correct = (arg == p.argmax(-1)).sum().float()  # same draft id <=> same target id (d2t is injective)
-    return StepStats(ce_sum / n, torch.tensor(float(n), device=out.device), correct)
+    hit = arg == p.argmax(-1)  # same draft id <=> same target id (d2t is injective)
+    hits = torch.zeros(valid.numel(), dtype=torch.bool, device=out.device).index_put_((idx,), hit)
+    return StepStats(ce_sum / n, torch.tensor(float(n), device=out.device), hit.sum().float(), hits)

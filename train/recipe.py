@@ -88,6 +88,8 @@ class Features(_Strict):
 class Optim(_Strict):
     ttt_steps: int = Field(7, ge=1, le=16)
     step_weight_decay: float = Field(0.8, gt=0.0, le=1.0)  # loss weight of step k is this ** k
+    # GRIFFIN's token-alignable training: step k learns only where steps 0..k-1 drafted the target's token
+    aligned_steps: bool = False
     lr: float = Field(1e-4, gt=0.0, le=1.0)
     warmup_ratio: float = Field(0.02, ge=0.0, le=1.0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(overrides budget_minutes; data.max_samples then caps the planned rows)")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe, print its stages and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value overrides may sit between flags
 
     def body() -> None:
         extra = {"output_dir": args.output_dir, "data.max_samples": args.max_samples, "train.max_steps": args.max_steps,

@@ -31,13 +31,17 @@ from tsengine.train.ttt import unroll
 # ---- the model the optimizer sees ---------------------------------------------------------------
 class TTTModel(nn.Module):
     """The head plus the TTT unroll and loss, so DDP / DeepSpeed wrap one forward. The target's
-    embeddings and draft lm_head rows are frozen constants here, not parameters (never synced or saved)."""
+    embeddings and draft lm_head rows are frozen constants here, not parameters (never synced or saved).
+
+    `aligned` (GRIFFIN's token-alignable training, arXiv 2502.11018): while training, step k learns only at
+    the bases where steps 0..k-1 drafted the target's token, the only bases where a chain ever reaches step
+    k; validation scores every base either way, so its acc_k compare across recipes."""
 
     def __init__(self, head: Eagle3Head, embed: torch.Tensor, target_lm_rows: torch.Tensor, steps: int,
-                 decay: float, chunk: int):
+                 decay: float, chunk: int, aligned: bool = False):
         super().__init__()
         self.head = head
-        self.steps, self.decay, self.chunk = steps, decay, chunk
+        self.steps, self.decay, self.chunk, self.aligned = steps, decay, chunk, aligned
         self.frozen = {"embed": embed.detach(), "rows": target_lm_rows.detach()}
 
     def forward(self, input_ids, loss_mask, aux, final, argmax):
@@ -45,10 +49,14 @@ class TTTModel(nn.Module):
         hidden0 = head.project(aux.to(head.fc.weight.dtype))
         outs = unroll(head, self.frozen["embed"], hidden0, input_ids, self.steps)
         probs, where = teacher(final, self.frozen["rows"], loss_mask, argmax, head.t2d, self.chunk)
-        total, stats = 0.0, []
+        total, stats, reached = 0.0, [], None
         for k, out in enumerate(outs):
             valid = valid_positions(loss_mask, argmax, head.t2d, k)
+            if reached is not None:
+                valid = valid & reached.view_as(valid)
             s = step_loss(head, out, valid, probs, where, k, self.chunk)
+            if self.aligned and self.training:
+                reached = s.hits if reached is None else reached & s.hits
             total = total + (self.decay ** k) * s.loss
             stats.append(torch.stack([s.loss.detach() * s.valid, s.valid, s.correct]))
         return total, torch.stack(stats)  # stats[k] = (loss·n, n, correct)
@@ -107,7 +115,7 @@ class Trainer:
         head = head.to(dev)
         rows = lm_head_weight(target)[torch.arange(head.config.draft_vocab_size, device=dev) + head.d2t]
         model = TTTModel(head, target.get_input_embeddings().weight, rows, o.ttt_steps, o.step_weight_decay,
-                         o.loss_chunk_tokens)
+                         o.loss_chunk_tokens, o.aligned_steps)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.lengths = [len(x) for x in train_data["input_ids"]]

@@ -64,6 +64,17 @@ def test_bad_recipe_exits_2_without_traceback(tmp_path):
     assert r.returncode == 2 and "features.mode" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_overrides_may_sit_between_flags(tmp_path):
+    """`key=value` overrides before and after a flag are all applied (and all validated): the benchmarks and
+    users write `--max-samples N key=value` after other overrides."""
+    p = tmp_path / "r.yaml"
+    p.write_text("target: x\n")
+    r = subprocess.run([sys.executable, "train/train_eagle3.py", "--recipe", str(p), "train.lr=7",
+                        "--max-samples", "3", "eval.num_prompts=0"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "train.lr" in r.stderr and "eval.num_prompts" in r.stderr, r.stderr[-2000:]
+
+
 # ---- regeneration -------------------------------------------------------------------------------
 def test_regeneration_is_greedy_batched_and_resumes(tiny_models, tmp_path):
     model, tok = tiny_models["llama"]

@@ -112,3 +112,54 @@ def test_fc_scaling_tames_massive_channels_only():
     assert scale[3] < 0.05 and torch.all(scale[[0, 1, 2, 4, 5]] > 0.5) and torch.all(scale <= 1)
     contrib = (sample * w[0]).abs().mean(0)
     assert contrib[3] < 2 * contrib.median()  # no channel starts louder than ~the median one
+
+
+def test_aligned_steps_train_only_where_the_chain_reaches(setup):
+    """GRIFFIN's token-alignable training: with `aligned`, step k counts base t only if steps 0..k-1 drafted
+    the target's token there; validation (eval mode) scores every base as before. Oracle: a plain loop."""
+    from tsengine.train.trainer import TTTModel
+
+    model, head, ids, aux = setup
+    b, t = ids.shape
+    embed, w = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    draft_ids = torch.arange(head.config.draft_vocab_size) + head.d2t
+    rows = w[draft_ids]
+    with torch.no_grad():
+        outs = unroll(head, embed, head.project(aux), ids, steps=3)
+        drafted = [draft_ids[head.logits(o).argmax(-1)] for o in outs]  # [B, T] target ids per step
+    # the target agrees with step 0 at about half the bases, so later steps have bases to keep and to drop
+    torch.manual_seed(4)
+    final = torch.randn(b, t, model.config.hidden_size)
+    agree = torch.rand(b, t) < 0.5
+    for bi in range(b):
+        for i in range(t - 1):
+            if agree[bi, i]:
+                final[bi, i + 1] = 50 * w[drafted[0][bi, i]]
+    argmax = (final @ w.t()).argmax(-1)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    teacher_ids = draft_ids[(final @ rows.t()).argmax(-1)]
+
+    expected, reached = [], torch.ones(b, t, dtype=torch.bool)
+    for k in range(3):
+        n = 0
+        hit = torch.zeros(b, t, dtype=torch.bool)
+        for bi in range(b):
+            for i in range(t):
+                j = i + k + 2
+                if j >= t or not mask[bi, j] or not head.t2d[argmax[bi, j - 1]]:
+                    continue
+                hit[bi, i] = bool(drafted[k][bi, i] == teacher_ids[bi, j - 1])
+                n += int(reached[bi, i])
+        expected.append(n)
+        reached &= hit
+
+    def counts(aligned: bool, training: bool) -> list[int]:
+        m = TTTModel(head, embed, rows, steps=3, decay=0.8, chunk=4, aligned=aligned).train(training)
+        with torch.no_grad():
+            _, stats = m(ids, mask, aux, final, argmax)
+        return [int(n) for n in stats[:, 1]]
+
+    plain = counts(False, True)
+    assert counts(True, True) == expected
+    assert 0 < expected[1] < plain[1]  # step 1 dropped some bases and kept some: the check has teeth
+    assert counts(True, False) == plain  # validation scores every base
