@@ -92,6 +92,7 @@ def _serve(args) -> None:
         model_name=args.served_model_name or default_model_name(args.model), api_key=args.api_key,
         default_max_tokens=args.default_max_tokens, max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_request_body_bytes, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
         drain_timeout_s=args.drain_timeout)
     serve(engine_config(args), settings, host=args.host, port=args.port)
 
@@ -234,6 +235,9 @@ def parser() -> argparse.ArgumentParser:
                     help=f"larger request bodies get 413 (default {d.max_body_bytes})")
     sv.add_argument("--header-timeout", type=_positive_float, default=d.header_timeout_s,
                     help=f"seconds a connection may take to send its request headers (default {d.header_timeout_s})")
+    sv.add_argument("--body-timeout", type=_positive_float, default=d.body_timeout_s,
+                    help=f"seconds a request may take to send its body after its headers; then 408 and the "
+                         f"connection is closed (default {d.body_timeout_s})")
     sv.add_argument("--drain-timeout", type=_positive_float, default=d.drain_timeout_s,
                     help="seconds running requests may finish after SIGTERM before they end with finish_reason "
                          f"'abort' (default {d.drain_timeout_s}); a second signal exits at once")

@@ -2,10 +2,10 @@
 
 Every answer that is not a success has OpenAI's error shape, so OpenAI clients raise their usual
 exceptions: a user's mistake is a 400 naming the field (pydantic's 422 is turned into it), a missing or
-wrong key a 401, a body over the cap 413, a full queue 429, an engine-wide failure or a draining server
-503 (a generic message and the request id: the log has the rest), and only bugs a 500. /openapi.json
-documents exactly these. What a completion request does is `completions.py`; the guards in front of it are
-`guards.py`; shutdown is `shutdown.py`.
+wrong key a 401, a body that did not arrive in time 408, a body over the cap 413, a full queue 429, an
+engine-wide failure or a draining server 503 (a generic message and the request id: the log has the rest),
+and only bugs a 500. /openapi.json documents exactly these. What a completion request does is
+`completions.py`; the guards in front of it are `guards.py`; shutdown is `shutdown.py`.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from tsengine.config import EngineConfig
 from tsengine.entrypoints.openai import protocol as proto
 from tsengine.entrypoints.openai.async_engine import AsyncEngine, EngineError
 from tsengine.entrypoints.openai.completions import Completions, engine_failure
-from tsengine.entrypoints.openai.guards import ApiKey, BodyLimit, RequestId, error_response
+from tsengine.entrypoints.openai.guards import ApiKey, BodyLimit, Framing, RequestId, error_response
 from tsengine.entrypoints.openai.protocol import APIError
 from tsengine.entrypoints.openai.settings import ServerSettings
 
 _ERRORS = {400: "the request is invalid: the message names the field",
            401: "missing or incorrect API key (only when the server has one)",
            404: "the request names a model this server does not serve",
+           408: "the request body did not arrive within the server's deadline (--body-timeout)",
            413: "the request body is over the server's limit",
            429: "the server's queue is full; Retry-After says when to retry",
            503: "the engine failed (not because of this request) or the server is shutting down"}
@@ -76,11 +77,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return error_response(500, f"internal error; see the server log (request id {request.state.request_id})",
                               None, "internal_error")
 
-    @app.post("/v1/completions", responses=_documented(400, *key, 404, 413, 429, 503))
+    @app.post("/v1/completions", responses=_documented(400, *key, 404, 408, 413, 429, 503))
     async def completions(req: proto.CompletionRequest, request: Request):
         return await server.handle(req, request)
 
-    @app.post("/v1/chat/completions", responses=_documented(400, *key, 404, 413, 429, 503))
+    @app.post("/v1/chat/completions", responses=_documented(400, *key, 404, 408, 413, 429, 503))
     async def chat_completions(req: proto.ChatCompletionRequest, request: Request):
         return await server.handle(req, request)
 
@@ -106,7 +107,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.openapi = lambda: _openapi(app)
     if settings.api_key:
         app.add_middleware(ApiKey, key=settings.api_key)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    app.add_middleware(Framing)  # before anything reads the body
     app.add_middleware(RequestId)  # outermost: every answer, 401 and 413 included, carries the id
     return app
 

@@ -9,8 +9,9 @@ request ends early (stop string, client gone, error, shutdown) aborts its engine
 back.
 
 Status codes: 400 for the request's own fault, including a request the engine stopped because its data
-made a step fail (tsengine/engine/faults.py); 429 when the queue is full; 503 for an engine-wide failure or a
-server shutting down, with a generic message and the request id (the log has the rest).
+made a step fail (tsengine/engine/faults.py) and an `n` over the server's whole capacity (no wait would admit
+it); 429 when the queue is full; 503 for an engine-wide failure or a server shutting down, with a generic
+message and the request id (the log has the rest).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ class Completions:
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
+        if req.n > self.capacity:  # no wait would help: not a 429
+            raise APIError(400, f"n: {req.n} choices can never be admitted; this server runs at most "
+                           f"{self.capacity} choices at once (max_num_seqs + --max-queue-len)", "n")
         if self.admitted + req.n > self.capacity:
             raise APIError(429, f"the server is at capacity ({self.admitted} choices in flight, at most "
                            f"{self.capacity}: max_num_seqs + --max-queue-len); retry later", None,

@@ -3,7 +3,9 @@
 Strict on purpose: an unknown field (`logprobs`, `presence_penalty`, a typo) is a 400 naming it rather
 than a silently ignored knob, and a wrong type is not coerced ("0.5" is not a temperature). Ranges are
 checked here too, so a bad value never reaches the engine thread. Fields that only vLLM has and that we
-honour (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`) use vLLM's names.
+honour (`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`) use vLLM's names. JSON null is the default for
+every field OpenAI (or vLLM, for its own) marks nullable: the official client sends null when a caller
+passes None.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tsengine.sampling_params import MAX_TOKEN_ID, MAX_TOP_K, SamplingParams
 
 MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 16, 1000, 256
+# nullable in OpenAI's API (vLLM's for top_k and min_p) and with a default other than None here: null is
+# that default (the fields whose default is None take null as it is)
+NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "n", "stream")
 
 
 def _valid_unicode(text: str) -> str:
@@ -44,22 +49,28 @@ class StreamOptions(_Strict):
 
 class _SamplingRequest(_Strict):
     """Every bound here is one the engine can represent (int64 seeds, int32-range top_k and ids), and the
-    schema at /openapi.json shows each of them, so a client generating from it stays inside."""
+    schema at /openapi.json shows each of them, so a client generating from it stays inside. The fields of
+    NULL_IS_DEFAULT are typed `| None` for the schema's sake: after validation none of them is None."""
 
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
-    temperature: float = Field(1.0, ge=0, le=1e6)  # below sampling.GREEDY_BELOW (1e-5): greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
-    min_p: float = Field(0.0, ge=0, le=1)
+    temperature: float | None = Field(1.0, ge=0, le=1e6)  # below sampling.GREEDY_BELOW (1e-5): greedy
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(0, ge=-1, le=MAX_TOP_K)
+    min_p: float | None = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)  # the engine keeps seeds in int64 tensors
-    n: int = Field(1, ge=1, le=128)
+    n: int | None = Field(1, ge=1, le=128)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, max_length=256)
+
+    @field_validator(*NULL_IS_DEFAULT, mode="before")
+    @classmethod
+    def _null_is_default(cls, value, info: ValidationInfo):
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @property
     def stop_strings(self) -> list[str]:
