@@ -32,17 +32,21 @@ def log_fit(x: list[float], y: list[float]) -> tuple[float, float]:
 
 
 def require_same_settings(full: Path, sub: Path) -> None:
-    """A point may differ from the full run in its subset and the oracle check (which measures nothing)
-    only: otherwise the curve would mix recipes."""
+    """A point may differ from the full run in its subset, the oracle check (which measures nothing) and the
+    budget (which sized the full run: the point's settings pin what it chose) only: otherwise the curve would
+    mix recipes. Fields a run predates read as their defaults."""
+    from tsengine.train.recipe import validate
+
     def settings(run: Path) -> dict:
-        r = json.loads((run / "summary.json").read_text())["recipe"]
-        del r["output_dir"], r["data"]["max_samples"], r["eval"]["oracle_prompts"]
+        r = validate(json.loads((run / "summary.json").read_text())["recipe"]).model_dump()
+        del r["output_dir"], r["data"]["max_samples"], r["eval"]["oracle_prompts"], r["budget_minutes"]
         return r
 
     a, b = settings(full), settings(sub)
     if a != b:
-        diff = sorted(f"{k}.{f}" for k in a for f in set(a[k]) | set(b[k])
-                      if isinstance(a[k], dict) and a[k].get(f) != b[k].get(f)) or [k for k in a if a[k] != b[k]]
+        diff = sorted(f"{k}.{f}" if f else k for k in a
+                      for f in (set(a[k]) | set(b[k]) if isinstance(a[k], dict) else [None])
+                      if (a[k].get(f) != b[k].get(f) if f else a[k] != b[k]))
         raise SystemExit(f"{sub}: trained with other settings than {full}: {', '.join(diff)}")
 
 
