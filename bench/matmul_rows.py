@@ -1,8 +1,9 @@
 """What one decode / verify step's matmuls cost on this CPU: every weight of a Llama-shaped target, read
 once for 1 to 16 input rows, with torch's default F.linear (MKL), with oneDNN pre-packed weights and with
-our few-row kernel (`tsengine/model/kernels/rows_linear.cpp`; `tsengine/model/linear.py` picks between them), and that
-kernel on int8 weights (what the draft head can run; GB/s there counts the fp32 bytes it stands for). Random
-weights of the real shapes (default SmolLM2-135M); min over repeats, the kernels interleaved per repeat.
+our few-row kernel (`tsengine/model/kernels/rows_linear.cpp`; `tsengine/model/linear.py` picks between them;
+on an AVX-512 CPU also with its AVX2 tile alone), and that kernel on int8 weights (what the draft head can
+run; GB/s there counts the fp32 bytes it stands for). Random weights of the real shapes (default
+SmolLM2-135M); min over repeats, the kernels interleaved per repeat.
 
     python bench/matmul_rows.py [--rows 1,2,4,8,16 --hidden 576 --inter 1536 --layers 30 --heads 9 --kv-heads 3
         --vocab 49152]
@@ -42,6 +43,15 @@ def main() -> None:
 
         panels = {id(w): rows_linear.panels(w) for w in ws}
         kernels["rows_linear"] = lambda x, w, p: rows_linear.rows_linear(x, panels[id(w)], w.shape[0])
+        if rows_linear.avx512():  # the same kernel with 3+ rows in AVX2, side by side (the same bits)
+            def avx2(x, w, p):
+                rows_linear.avx512(False)
+                try:
+                    return rows_linear.rows_linear(x, panels[id(w)], w.shape[0])
+                finally:
+                    rows_linear.avx512(True)
+
+            kernels["rows_linear, AVX2 only"] = avx2
         int8 = {id(w): quantize_int8(w) for w in ws}  # GB/s below counts fp32 bytes: int8 reads a quarter
         int8 = {k: (rows_linear.panels(q), scale) for k, (q, scale) in int8.items()}
         kernels["rows_linear int8"] = lambda x, w, p: rows_linear.rows_linear_int8(x, *int8[id(w)])

@@ -252,3 +252,29 @@ def test_projections_fused_from_bf16_and_fp32_weights_run_on_fp32_panels():
     assert torch.equal(fused(x), _rows(x, torch.cat([exact, fp32])))
     both = _stacked([Linear(exact), Linear(exact)])
     assert both.panels.dtype == torch.bfloat16 and torch.equal(both(x), _rows(x, torch.cat([exact, exact])))
+
+
+@pytest.mark.skipif(not (rows_linear.available() and rows_linear.avx512()), reason="needs an AVX-512F CPU")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_avx512_tile_gives_the_avx2_tiles_bits(dtype):
+    """The AVX-512 tile (3+ rows, and a last odd panel) sums each output in the AVX2 tile's order: the same
+    bits, so which one a CPU runs can never change a token."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(130, 301, generator=g)
+    if dtype == "int8":
+        from tsengine.model.linear import quantize_int8
+
+        q, scale = quantize_int8(w)
+        run = lambda x: rows_linear.rows_linear_int8(x, rows_linear.panels(q), scale)  # noqa: E731
+    else:
+        p = rows_linear.panels(w.to(torch.bfloat16) if dtype == "bf16" else w)
+        run = lambda x: rows_linear.rows_linear(x, p, 130)  # noqa: E731
+    for rows in (1, 2, 3, 4, 5, 8):
+        x = torch.randn(rows, 301, generator=g)
+        try:
+            rows_linear.avx512(False)
+            assert not rows_linear.avx512()
+            avx2 = run(x)
+        finally:
+            rows_linear.avx512(True)
+        assert torch.equal(run(x), avx2), rows

@@ -83,9 +83,55 @@ inline void tile(const float* __restrict x, int64_t K, int64_t k0, int64_t k1, c
     for (int i = 0; i < 2 * NP; ++i) _mm256_storeu_ps(acc + m * NP * P + i * 8, a[m][i]);
 }
 
+// The same tile in 16-lane AVX-512 registers, one per panel: half the FMAs of the AVX2 tile per weight line, for
+// CPUs where 3-4 rows are bound by FMA issue rather than memory (measured: docs/benchmarks.md, "Few-row
+// kernel"). Lane j of panel p still sums its k in order with one FMA a step, so the result is the AVX2
+// tile's, bit for bit (tests/model/test_rows_linear.py compares the two). Compiled for AVX-512F only
+// here; called only where the CPU reports it (`use_avx512`).
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+inline __m512 load16x(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16x(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline __m512 load16x(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MB, typename W>
+__attribute__((noinline)) void tile512(const float* __restrict x, int64_t K, int64_t k0, int64_t k1,
+                                       const W* __restrict w, float* __restrict acc) {
+  __m512 a[MB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) a[m] = _mm512_loadu_ps(acc + m * P);
+  for (int64_t k = k0; k < k1; ++k) {
+    const W* wk = w + k * P;
+    const __m512 wv = load16x(wk);
+    if (k % (4 / sizeof(W)) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + AHEAD, _MM_HINT_T0);
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) a[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k]), a[m]);
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(acc + m * P, a[m]);
+}
+#pragma GCC pop_options
+
+bool use_avx512 = __builtin_cpu_supports("avx512f");
+
 template <int NP, typename W>
 inline void block(const float* x, int64_t mb, int64_t K, int64_t k0, int64_t k1, const W* w, int64_t stride,
                   float* acc) {
+  if (NP == 1 && use_avx512) {
+    switch (mb) {
+      case 1: tile512<1, W>(x, K, k0, k1, w, acc); return;
+      case 2: tile512<2, W>(x, K, k0, k1, w, acc); return;
+      case 3: tile512<3, W>(x, K, k0, k1, w, acc); return;
+      default: tile512<4, W>(x, K, k0, k1, w, acc); return;
+    }
+  }
   switch (mb) {
     case 1: tile<NP, 1, W>(x, K, k0, k1, w, stride, acc); break;
     case 2: tile<NP, 2, W>(x, K, k0, k1, w, stride, acc); break;
@@ -172,6 +218,11 @@ at::Tensor rows_linear_int8(const at::Tensor& x, const at::Tensor& panels, const
 TORCH_LIBRARY(tsengine_cpu, lib) {
   lib.def("rows_linear(Tensor x, Tensor panels, int out_features, Tensor? bias, Tensor? residual) -> Tensor");
   lib.def("rows_linear_int8(Tensor x, Tensor panels, Tensor scale, Tensor? bias, Tensor? residual) -> Tensor");
+  // which tile 3+ rows take: avx512 where the CPU has it (the default); -1 reads it, 0/1 sets it (tests, bench)
+  lib.def("rows_linear_avx512(int on) -> bool", [](int64_t on) {
+    if (on >= 0) use_avx512 = on && __builtin_cpu_supports("avx512f");
+    return use_avx512;
+  });
 }
 
 TORCH_LIBRARY_IMPL(tsengine_cpu, CPU, lib) {

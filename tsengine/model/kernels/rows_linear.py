@@ -1,6 +1,6 @@
 """Builds and loads `rows_linear.cpp` (`torch.ops.tsengine_cpu.rows_linear`): a few-row fp32 matmul that reads
-each weight once, for decode and verify steps on an AVX2 CPU, from weights stored once as `panels()`. Why it
-exists and why that layout: the .cpp's header.
+each weight once, for decode and verify steps on an AVX2 CPU (3+ rows in AVX-512 where the CPU has it),
+from weights stored once as `panels()`. Why it exists and why that layout: the .cpp's header.
 
 Built once per machine by torch's C++ extension loader (a one-off g++ compile; cached by source hash under
 torch's extensions directory, so later start-ups load it at once). Where it cannot be built (no
@@ -67,6 +67,12 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -n % PANEL))
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def avx512(on: bool | None = None) -> bool:
+    """Whether 3+ rows take the kernel's AVX-512 tile (the same bits as the AVX2 one, fewer FMAs); `on` sets
+    it, never above what the CPU has. The default is on where the CPU reports AVX-512F."""
+    return torch.ops.tsengine_cpu.rows_linear_avx512(-1 if on is None else int(on))
 
 
 def rows_linear(x: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
