@@ -240,7 +240,8 @@ def parser() -> argparse.ArgumentParser:
                          f"connection is closed (default {d.body_timeout_s})")
     sv.add_argument("--drain-timeout", type=_positive_float, default=d.drain_timeout_s,
                     help="seconds running requests may finish after SIGTERM before they end with finish_reason "
-                         f"'abort' (default {d.drain_timeout_s}); a second signal exits at once")
+                         "'abort' (those still tokenizing get a 503 server_shutting_down) "
+                         f"(default {d.drain_timeout_s}); a second signal exits at once")
     sv.set_defaults(run=_serve)
     return p
 

@@ -20,7 +20,7 @@ from tsengine.config import EngineConfig
 from tsengine.entrypoints.openai import protocol as proto
 from tsengine.entrypoints.openai.async_engine import AsyncEngine, EngineError
 from tsengine.entrypoints.openai.completions import Completions, engine_failure
-from tsengine.entrypoints.openai.guards import ApiKey, BodyLimit, Framing, RequestId, error_response
+from tsengine.entrypoints.openai.guards import ApiKey, BodyLimit, Framing, RequestId, ShutdownCancel, error_response
 from tsengine.entrypoints.openai.protocol import APIError
 from tsengine.entrypoints.openai.settings import ServerSettings
 
@@ -95,7 +95,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if async_engine.dead is not None:
             return error_response(503, "the engine is not running", None, "internal_error")
         if server.draining:
-            return error_response(503, "the server is shutting down", None, "service_unavailable")
+            return error_response(503, "the server is shutting down", None, "service_unavailable",
+                                  "server_shutting_down")
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse,
@@ -109,6 +110,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         app.add_middleware(ApiKey, key=settings.api_key)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     app.add_middleware(Framing)  # before anything reads the body
+    app.add_middleware(ShutdownCancel)  # no plain-text 500 from uvicorn's shutdown
     app.add_middleware(RequestId)  # outermost: every answer, 401 and 413 included, carries the id
     return app
 

@@ -3,7 +3,8 @@
 Everything a user can get wrong is an `APIError` raised before the engine starts decoding, so a stream never
 opens for a request that fails; the prompt rules are the engine's own (`Engine.check_prompt`), only the
 limits that involve the request's other fields are checked here. Tokenizing and chat templating run on a
-thread pool: a 5 MB prompt must not stall the event loop that answers everyone else. A request with `n`
+thread pool (`TokenizerPool`): a 5 MB prompt must not stall the event loop that answers everyone else. A
+request waiting for it is open for the shutdown drain as much as one in the engine. A request with `n`
 choices is n engine requests (tsengine.entrypoints.fanout) submitted together and sharing one output queue. Every way a
 request ends early (stop string, client gone, error, shutdown) aborts its engine requests, so blocks come
 back.
@@ -17,12 +18,14 @@ message and the request id (the log has the rest).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import queue
 import re
+import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,10 +53,12 @@ class Completions:
         self.capacity = engine.engine.config.max_num_seqs + settings.max_queue_len
         self.speculating = engine.engine.spec_steps > 0
         self.metrics = PrometheusMetrics(engine.engine)
-        self.pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tsengine-tokenize")
+        self.pool = TokenizerPool(settings.tokenizer_threads, "tsengine-tokenize")
         self.admitted = 0  # choices of the requests being served (tokenizing, queued or decoding)
         self.open: dict[str, asyncio.Queue] = {}  # request id -> its output queue, for the shutdown drain
-        self.draining = False
+        self.tokenizing: set[asyncio.Future] = set()  # requests waiting for the pool, for the drain too
+        self.draining = False  # admits nothing more (the first signal)
+        self.stopped = False  # ended every open request (the drain's deadline): nothing more enters the engine
 
     # ---- input -------------------------------------------------------------------------------------
     def prompt_ids(self, req) -> tuple[list[int], str]:
@@ -68,6 +73,20 @@ class Completions:
         if isinstance(req.prompt, str):  # as LLM.generate encodes a string prompt
             return self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"], "prompt"
         return list(req.prompt), "prompt"
+
+    async def tokenize(self, req) -> tuple[list[int], str]:
+        """`prompt_ids` on the pool. Meanwhile the request is open for the drain; `stop_all` ends the wait
+        with a 503 (a queued tokenization is dropped, a running one finishes on its thread unread)."""
+        work = asyncio.wrap_future(self.pool.submit(self.prompt_ids, req))
+        self.tokenizing.add(work)
+        try:
+            await asyncio.wait((work,))  # unlike `await work`, tells stop_all's cancel from this task's
+        finally:
+            self.tokenizing.discard(work)
+            work.cancel()  # a no-op once done; else this task was cancelled
+        if work.cancelled() or self.stopped:
+            raise proto.shutting_down()
+        return work.result()
 
     def check(self, req, ids: list[int], field: str) -> SamplingParams:
         try:  # reads only fields fixed at construction: safe off the engine thread
@@ -86,8 +105,7 @@ class Completions:
 
     def admit(self, req) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down; retry on another replica", None,
-                           "service_unavailable", headers={"Retry-After": "5"})
+            raise proto.shutting_down()
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            "model", code="model_not_found")
@@ -108,6 +126,8 @@ class Completions:
         live = {sub_id: i for i, (sub_id, _) in enumerate(subs)}
         m = self.metrics
         self.open[rid] = outputs
+        if self.stopped:  # came in after stop_all: ends at once, like the others
+            outputs.put_nowait(SHUTDOWN)
         try:
             try:
                 await self.engine.open_many([(sub_id, ids, p) for sub_id, p in subs], outputs)
@@ -162,7 +182,7 @@ class Completions:
         self.admitted += req.n
         release = True
         try:
-            ids, field = await asyncio.get_running_loop().run_in_executor(self.pool, self.prompt_ids, req)
+            ids, field = await self.tokenize(req)
             params = self.check(req, ids, field)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             log.info("request %s: %s, %d prompt tokens, n=%d, max_tokens=%d", request_id, rid, len(ids),
@@ -213,12 +233,80 @@ class Completions:
             await events.aclose()
         yield "data: [DONE]\n\n"
 
+    @property
+    def busy(self) -> bool:
+        """A request is open: in the engine, or admitted and waiting for its prompt's tokens."""
+        return bool(self.open or self.tokenizing)
+
     def stop_all(self) -> int:
-        """Shutdown: end every open request now (its choices finish with "abort"); returns how many."""
-        self.draining = True
+        """Shutdown: end every open request now, returns how many. Its choices finish with "abort"; one still
+        waiting for the tokenizer gets a 503 `server_shutting_down`."""
+        self.draining = self.stopped = True
         for outputs in self.open.values():
             outputs.put_nowait(SHUTDOWN)
-        return len(self.open)
+        for work in self.tokenizing:
+            work.cancel()
+        return len(self.open) + len(self.tokenizing)
+
+    def close(self) -> None:
+        """The tokenizer pool: its queue is dropped, and nothing waits for a tokenization still running."""
+        self.pool.shutdown()
+
+
+class TokenizerPool:
+    """A few daemon threads running blocking calls (tokenizing, chat templating); submit returns a Future.
+
+    Not a ThreadPoolExecutor: at exit Python joins those threads after they ran everything still queued, so
+    a SIGTERM with 5 MB prompts queued kept the process alive for minutes. Here `shutdown` cancels what is
+    queued and waits for nothing: a call still running finishes on its daemon thread, or the process exits
+    under it. A call submitted after shutdown comes back cancelled."""
+
+    def __init__(self, threads: int, name: str):
+        self.size, self.name = threads, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                fut.cancel()
+                return fut
+            self._queue.put((fut, fn, args))
+            if len(self._threads) < self.size:  # started as needed, as a ThreadPoolExecutor does
+                t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        return fut
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._run(*item)
+            del item  # an idle thread keeps no 5 MB request alive
+
+    @staticmethod
+    def _run(fut: concurrent.futures.Future, fn, args) -> None:
+        if fut.set_running_or_notify_cancel():  # else cancelled while queued
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                fut, _, _ = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            fut.cancel()
+        for _ in self._threads:
+            self._queue.put(None)
 
 
 def engine_failure(request_id: str) -> str:

@@ -51,6 +51,36 @@ class RequestId:
         await self.app(scope, receive, send_with_id)
 
 
+class ShutdownCancel:
+    """uvicorn's last resort on shutdown cancels the requests still running `timeout_graceful_shutdown` after
+    the drain, and answers one that has not started its response with a plain-text 500. The drain
+    (shutdown.py) ends every request it knows of before that; one it cannot know of (its body still
+    arriving, say) gets OpenAI's 503 `server_shutting_down` here instead. Only a shutdown cancels a
+    request's task; a response already started is left to uvicorn, which closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            e = proto.shutting_down()
+            await error_response(e.status, e.message, e.param, e.type, e.code,
+                                 {**e.headers, "Connection": "close"})(scope, receive, send)
+
+
 class Framing:
     """RFC 9112 §6.1: a request with both Transfer-Encoding and Content-Length (or Transfer-Encoding in
     HTTP/1.0) has ambiguous framing. h11 frames it by Transfer-Encoding alone, a proxy in front may have

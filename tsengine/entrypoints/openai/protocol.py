@@ -130,6 +130,13 @@ class APIError(Exception):
         self.headers = headers
 
 
+def shutting_down() -> APIError:
+    """The answer to a request the server will not serve because it is shutting down (shutdown.py): one
+    that came after the signal, or one the drain's deadline found before the engine (tokenizing)."""
+    return APIError(503, "the server is shutting down; retry on another replica", None, "service_unavailable",
+                    "server_shutting_down", headers={"Retry-After": "5"})
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

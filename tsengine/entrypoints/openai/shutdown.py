@@ -1,11 +1,13 @@
 """Bounded, graceful shutdown: the first SIGTERM/SIGINT drains, a second one exits at once.
 
-On the first signal the server stops admitting (new requests get 503 and /health says so), lets running
-requests finish for up to `drain_timeout_s`, then ends every request still open: each choice finishes
-with finish_reason "abort" (vLLM's name for a request the server stopped), a stream gets its final chunk
-and `data: [DONE]`, a plain request its partial completion. Then uvicorn closes the connections and the
-process exits 0. uvicorn's own handling would wait for every stream to end by itself, however long, and
-ignore a second SIGTERM.
+On the first signal the server stops admitting (new requests get a 503 `server_shutting_down` and /health
+says so), lets open requests finish for up to `drain_timeout_s`, then ends every request still open: each
+choice finishes with finish_reason "abort" (vLLM's name for a request the server stopped), a stream gets
+its final chunk and `data: [DONE]`, a plain request its partial completion. A request still waiting for
+the tokenizer pool is open too: it gets the 503, and the pool's queue is dropped (no exit waits for it).
+Then uvicorn closes the connections and the process exits 0. uvicorn's own handling would wait for every
+stream to end by itself, however long, ignore a second SIGTERM, and answer a request it cancels with a
+plain-text 500.
 """
 
 from __future__ import annotations
@@ -43,15 +45,18 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
 
     async def drain(self) -> None:
-        open_now = len(self.completions.open)
-        log.info("shutting down: %d request(s) open, up to %.1f s to finish", open_now, self.drain_timeout_s)
+        c = self.completions
+        log.info("shutting down: %d request(s) open, %d of them tokenizing; up to %.1f s to finish",
+                 len(c.open) + len(c.tokenizing), len(c.tokenizing), self.drain_timeout_s)
         deadline = time.monotonic() + self.drain_timeout_s
-        while self.completions.open and time.monotonic() < deadline and not self.force_exit:
+        while c.busy and time.monotonic() < deadline and not self.force_exit:
             await asyncio.sleep(0.05)
-        cut = self.completions.stop_all()
+        cut = c.stop_all()
         if cut:
-            log.warning("drain timeout: %d request(s) end with finish_reason 'abort'", cut)
-        while self.completions.open and not self.force_exit:  # each stream sends its last chunk and [DONE]
+            log.warning("drain timeout: %d request(s) end with finish_reason 'abort' (or a 503 if still "
+                        "tokenizing)", cut)
+        c.close()  # drops the tokenizations still queued
+        while c.busy and not self.force_exit:  # each stream sends its last chunk and [DONE]
             await asyncio.sleep(0.02)
         self.should_exit = True
 
@@ -60,4 +65,7 @@ def run_until_drained(app, settings: ServerSettings, host: str, port: int) -> No
     config = uvicorn.Config(app, host=host, port=port, log_level="info",
                             http=header_deadline_protocol(settings.header_timeout_s),
                             timeout_graceful_shutdown=2)  # backstop after the drain: connections close
-    DrainingServer(config, app.state.server, settings.drain_timeout_s).run()
+    try:
+        DrainingServer(config, app.state.server, settings.drain_timeout_s).run()
+    finally:  # also after a second signal, which skips the drain
+        app.state.server.close()
