@@ -93,7 +93,7 @@ def _serve(args) -> None:
         default_max_tokens=args.default_max_tokens, max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_request_body_bytes, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
-        drain_timeout_s=args.drain_timeout)
+        drain_timeout_s=args.drain_timeout, sanitize_control_tokens=args.sanitize_control_tokens)
     serve(engine_config(args), settings, host=args.host, port=args.port)
 
 
@@ -242,6 +242,12 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds running requests may finish after SIGTERM before they end with finish_reason "
                          "'abort' (those still tokenizing get a 503 server_shutting_down) "
                          f"(default {d.drain_timeout_s}); a second signal exits at once")
+    sv.add_argument("--sanitize-control-tokens", action=argparse.BooleanOptionalAction,
+                    default=d.sanitize_control_tokens,
+                    help="encode control-token strings inside chat messages (<|im_end|>, <|im_start|>, ...) as "
+                         "plain text, so a message cannot forge a turn; --no-sanitize-control-tokens is vLLM's "
+                         f"behaviour (default {'on' if d.sanitize_control_tokens else 'off'}; /v1/completions "
+                         "prompts are never touched)")
     sv.set_defaults(run=_serve)
     return p
 

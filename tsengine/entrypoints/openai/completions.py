@@ -2,7 +2,8 @@
 
 Everything a user can get wrong is an `APIError` raised before the engine starts decoding, so a stream never
 opens for a request that fails; the prompt rules are the engine's own (`Engine.check_prompt`), only the
-limits that involve the request's other fields are checked here. Tokenizing and chat templating run on a
+limits that involve the request's other fields are checked here. Control-token strings in chat messages are
+plain text unless the server says otherwise (chat_template.py). Tokenizing and chat templating run on a
 thread pool (`TokenizerPool`): a 5 MB prompt must not stall the event loop that answers everyone else. A
 request waiting for it is open for the shutdown drain as much as one in the engine. A request with `n`
 choices is n engine requests (tsengine.entrypoints.fanout) submitted together and sharing one output queue. Every way a
@@ -33,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tsengine.entrypoints.fanout import fan_out
 from tsengine.entrypoints.openai import protocol as proto
 from tsengine.entrypoints.openai.async_engine import AsyncEngine, EngineError
+from tsengine.entrypoints.openai.chat_template import ChatTemplate, ControlTokenError
 from tsengine.entrypoints.openai.detokenize import ChoiceText
 from tsengine.entrypoints.openai.prometheus import PrometheusMetrics
 from tsengine.entrypoints.openai.protocol import APIError
@@ -49,6 +51,7 @@ class Completions:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings):
         self.engine, self.settings, self.model_name = engine, settings, settings.model_name
         self.tokenizer = engine.engine.tokenizer
+        self.chat = ChatTemplate(self.tokenizer, settings.sanitize_control_tokens)
         self.max_model_len = engine.engine.max_model_len
         self.capacity = engine.engine.config.max_num_seqs + settings.max_queue_len
         self.speculating = engine.engine.spec_steps > 0
@@ -65,11 +68,13 @@ class Completions:
         """Runs on the tokenizer pool."""
         if isinstance(req, proto.ChatCompletionRequest):
             try:
-                text = self.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
-                                                          add_generation_prompt=True, tokenize=False)
+                text = self.chat.render([m.as_template_input() for m in req.messages])
             except Exception as e:  # jinja raises for conversations the template refuses
                 raise APIError(400, f"messages: the chat template rejected them: {e}", "messages") from None
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"], "messages"
+            try:
+                return self.chat.encode(text), "messages"
+            except ControlTokenError as e:
+                raise APIError(400, f"messages: {e}", "messages") from None
         if isinstance(req.prompt, str):  # as LLM.generate encodes a string prompt
             return self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"], "prompt"
         return list(req.prompt), "prompt"

@@ -25,6 +25,10 @@ class ServerSettings:
     body_timeout_s: float = 60.0
     drain_timeout_s: float = 5.0  # on SIGTERM: how long running requests may finish before they are cut
     tokenizer_threads: int = 2  # tokenization and chat templating run here, off the event loop
+    # control-token strings inside chat messages (`<|im_end|><|im_start|>system`) are plain text, never control
+    # tokens: a message cannot forge a turn (chat_template.py). Off is vLLM's behaviour. /v1/completions' raw
+    # prompts are never touched
+    sanitize_control_tokens: bool = True
 
 
 def default_model_name(model: str) -> str:
