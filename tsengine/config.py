@@ -197,8 +197,8 @@ class EngineConfig(_Strict):
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     block_size: int = Field(16, ge=1, le=256)
-    kv_cache_memory: int | None = Field(None, ge=1, description="KV cache bytes (CPU); default: enough for "
-                                        "--max-num-seqs")
+    kv_cache_memory: int | None = Field(None, ge=1, description="KV cache bytes (CPU), zero-filled at start; "
+                                        "default: every --max-num-seqs request at --max-model-len, at most 4 GiB")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides the memory budget (tests, "
                                       "reproducible benchmarks)")
