@@ -36,6 +36,9 @@ ARMS: dict[str, list[str]] = {
     "draft vocab 16k": ["vocab.draft_vocab_size=16384"],
     "lr 3e-3": ["train.lr=3e-3"],
     "epochs 6": ["train.epochs=6"],
+    "TTT steps 3 + lm_head from the target": ["train.ttt_steps=3", "head.lm_head_from_target=true"],
+    # the training passes of 3 answers a prompt at 3 epochs, from one answer: epochs against answers
+    "epochs 9": ["train.epochs=9"],
 }
 
 

@@ -32,14 +32,14 @@ def log_fit(x: list[float], y: list[float]) -> tuple[float, float]:
 
 
 def require_same_settings(full: Path, sub: Path) -> None:
-    """A point may differ from the full run in its subset, the oracle check (which measures nothing) and the
-    budget (which sized the full run: the point's settings pin what it chose) only: otherwise the curve would
-    mix recipes. Fields a run predates read as their defaults."""
+    """A point may differ from the full run in its subset, the oracle check and logging (which measure
+    nothing) and the budget (which sized the full run: the point's settings pin what it chose) only:
+    otherwise the curve would mix recipes. Fields a run predates read as their defaults."""
     from tsengine.train.recipe import validate
 
     def settings(run: Path) -> dict:
         r = validate(json.loads((run / "summary.json").read_text())["recipe"]).model_dump()
-        del r["output_dir"], r["data"]["max_samples"], r["eval"]["oracle_prompts"], r["budget_minutes"]
+        del r["output_dir"], r["data"]["max_samples"], r["eval"]["oracle_prompts"], r["budget_minutes"], r["log"]
         return r
 
     a, b = settings(full), settings(sub)

@@ -101,21 +101,33 @@ inline __m512 load16x(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-template <int MB, typename W>
+template <int NP, int MB, typename W>
 __attribute__((noinline)) void tile512(const float* __restrict x, int64_t K, int64_t k0, int64_t k1,
-                                       const W* __restrict w, float* __restrict acc) {
-  __m512 a[MB];
+                                       const W* __restrict w, int64_t panel_stride, float* __restrict acc) {
+  __m512 a[MB][NP];
 #pragma GCC unroll 16
-  for (int m = 0; m < MB; ++m) a[m] = _mm512_loadu_ps(acc + m * P);
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) a[m][p] = _mm512_loadu_ps(acc + (m * NP + p) * P);
   for (int64_t k = k0; k < k1; ++k) {
-    const W* wk = w + k * P;
-    const __m512 wv = load16x(wk);
-    if (k % (4 / sizeof(W)) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + AHEAD, _MM_HINT_T0);
+    __m512 wv[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      const W* wk = w + p * panel_stride + k * P;
+      wv[p] = load16x(wk);
+      if (k % (4 / sizeof(W)) == 0) _mm_prefetch(reinterpret_cast<const char*>(wk) + AHEAD, _MM_HINT_T0);
+    }
 #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) a[m] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[m * K + k]), a[m]);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * K + k]);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) a[m][p] = _mm512_fmadd_ps(wv[p], xv, a[m][p]);
+    }
   }
 #pragma GCC unroll 16
-  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(acc + m * P, a[m]);
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(acc + (m * NP + p) * P, a[m][p]);
 }
 #pragma GCC pop_options
 
@@ -126,10 +138,10 @@ inline void block(const float* x, int64_t mb, int64_t K, int64_t k0, int64_t k1,
                   float* acc) {
   if (NP == 1 && use_avx512) {
     switch (mb) {
-      case 1: tile512<1, W>(x, K, k0, k1, w, acc); return;
-      case 2: tile512<2, W>(x, K, k0, k1, w, acc); return;
-      case 3: tile512<3, W>(x, K, k0, k1, w, acc); return;
-      default: tile512<4, W>(x, K, k0, k1, w, acc); return;
+      case 1: tile512<1, 1, W>(x, K, k0, k1, w, stride, acc); return;
+      case 2: tile512<1, 2, W>(x, K, k0, k1, w, stride, acc); return;
+      case 3: tile512<1, 3, W>(x, K, k0, k1, w, stride, acc); return;
+      default: tile512<1, 4, W>(x, K, k0, k1, w, stride, acc); return;
     }
   }
   switch (mb) {
@@ -170,11 +182,15 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const f
     std::vector<float> acc(M * 2 * P);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p0 = 2 * t, np = std::min<int64_t>(2, n_panels - p0);
+      const bool paired512 = use_avx512 && (M == 3 || M == 4) && np == 2;
       const W* w = wp + p0 * stride;
       std::fill(acc.begin(), acc.end(), 0.f);
       if (M <= 2 && np == 2) {  // [M][32]
         if (M == 1) tile<2, 1, W>(xp, K, 0, K, w, stride, acc.data());
         else tile<2, 2, W>(xp, K, 0, K, w, stride, acc.data());
+      } else if (paired512) {  // [M][32]: 3-4 rows, two panels a pass, each row broadcast once for both
+        if (M == 3) tile512<2, 3, W>(xp, K, 0, K, w, stride, acc.data());
+        else tile512<2, 4, W>(xp, K, 0, K, w, stride, acc.data());
       } else {  // one panel at a time, rows in blocks of 4; above 4 rows k in tiles: [panel][M][16]
         const int64_t k_step = M <= 4 ? K : K_TILE;
         for (int64_t q = 0; q < np; ++q)
@@ -183,7 +199,7 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& panels, int64_t N, const f
               block<1, W>(xp + m0 * K, std::min<int64_t>(4, M - m0), K, k0, std::min(K, k0 + k_step),
                           w + q * stride, stride, acc.data() + (q * M + m0) * P);
       }
-      const bool paired = M <= 2 && np == 2;
+      const bool paired = (M <= 2 && np == 2) || paired512;
       for (int64_t m = 0; m < M; ++m)
         for (int64_t j = 0; j < np * P; ++j) {
           const int64_t n = p0 * P + j;

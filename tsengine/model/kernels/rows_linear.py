@@ -47,6 +47,9 @@ def available() -> bool:
         log.warning("rows_linear kernel unavailable (%s); using oneDNN's packed matmuls", str(error).splitlines()[0])
         return False
 
+    if os.environ.get("TSENGINE_ROWS_LINEAR_AVX512", "1") == "0":  # the AVX2 tile only (A/B runs)
+        torch.ops.tsengine_cpu.rows_linear_avx512(0)
+
     @torch.library.register_fake("tsengine_cpu::rows_linear")
     def _(x, panels, out_features, bias, residual):
         return x.new_empty(*x.shape[:-1], out_features)
