@@ -83,11 +83,12 @@ inline void tile(const float* __restrict x, int64_t K, int64_t k0, int64_t k1, c
     for (int i = 0; i < 2 * NP; ++i) _mm256_storeu_ps(acc + m * NP * P + i * 8, a[m][i]);
 }
 
-// The same tile in 16-lane AVX-512 registers, one per panel: half the FMAs of the AVX2 tile per weight line, for
-// CPUs where 3-4 rows are bound by FMA issue rather than memory (measured: docs/benchmarks.md, "Few-row
-// kernel"). Lane j of panel p still sums its k in order with one FMA a step, so the result is the AVX2
-// tile's, bit for bit (tests/model/test_rows_linear.py compares the two). Compiled for AVX-512F only
-// here; called only where the CPU reports it (`use_avx512`).
+// The same tile in 16-lane AVX-512 registers, one per panel: half the FMAs and broadcasts of the AVX2 tile per
+// weight line, and 3-4 rows take two panels a pass, so each row's broadcast serves both. On an AVX-512 Xeon
+// this is what brings a 4-row verify window near a 1-row step (docs/benchmarks.md, "Few-row kernel and the
+// 4-row verify step"). Lane j of panel p still sums its k in order with one FMA a step, so the result is the
+// AVX2 tile's, bit for bit (tests/model/test_rows_linear.py compares the two). Compiled for AVX-512F here
+// only; called only where the CPU reports it (`use_avx512`).
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 inline __m512 load16x(const float* p) { return _mm512_loadu_ps(p); }
