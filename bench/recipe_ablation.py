@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
-from recipe_runs import row, run_recipe
+from recipe_runs import link_capture, row, run_recipe
 
 # name -> the overrides that make the arm; each changes one thing from the embedded recipe
 ARMS: dict[str, list[str]] = {
@@ -51,7 +50,7 @@ def seed_from(base: Path, out: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shutil.copytree(base / "data", tmp / "data")
-    shutil.copytree(base / "capture", tmp / "capture", copy_function=os.link)
+    link_capture(base, tmp)
     tmp.rename(out)
 
 

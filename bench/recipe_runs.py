@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def link_capture(run: Path, out: Path) -> None:
+    """`out`/capture as hard links of `run`'s captured features: gigabytes shared, never copied (the capture
+    stage only ever replaces its files whole, so a later run cannot change another's)."""
+    shutil.rmtree(out / "capture", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(run / "capture", out / "capture", copy_function=os.link)
 
 
 def run_recipe(recipe: str, out: Path, args: list[str]) -> float:

@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
-import subprocess
 from pathlib import Path
 
-from recipe_runs import row, run_recipe
+from recipe_runs import link_capture, row, run_recipe
 
 
 def log_fit(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -63,9 +61,7 @@ def main() -> None:
     for n in [int(x) for x in args.prompts.split(",")]:
         sub = run.parent / f"{run.name}-scale-{n}"
         if not (sub / "summary.json").exists():
-            shutil.rmtree(sub / "capture", ignore_errors=True)
-            sub.mkdir(parents=True, exist_ok=True)
-            subprocess.run(["cp", "-al", str(run / "capture"), str(sub / "capture")], check=True)
+            link_capture(run, sub)
         run_recipe(args.recipe, sub, ["--max-samples", str(n), *args.overrides])
         require_same_settings(run, sub)
         points.append(row(sub))
