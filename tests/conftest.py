@@ -12,6 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 # Engines run eagerly in the default suite: a compiled step graph costs ~10 s per shape here on first use.
 # tests/model/test_graphs.py runs the invariants in both modes; `make test-compiled` runs the engine tests compiled.
 os.environ.setdefault("TSENGINE_ENFORCE_EAGER", "1")
+# Where graphs run, they compile on the step that needs them, so a test proves the graph ran; tests/model/
+# test_compile_worker.py proves the default (compiled off the engine thread, eager until ready) loses nothing.
+os.environ.setdefault("TSENGINE_GRAPH_COMPILE", "inline")
 
 import pytest
 import torch

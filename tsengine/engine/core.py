@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,8 @@ from tsengine.engine.runner import Forward, ModelRunner
 from tsengine.engine.scheduler import Scheduled, Scheduler
 from tsengine.engine.startup import reserve_slots
 from tsengine.errors import UserError
-from tsengine.model import graphs
+from tsengine.model import compile_worker
+from tsengine.model.graphs import HOT_AFTER
 from tsengine.sample.sampling import RowParams
 from tsengine.sample.verify import Verdict, Verifier
 from tsengine.sampling_params import SamplingParams
@@ -62,6 +64,7 @@ class EngineSnapshot:
     waiting: int  # requests queued
     kv_cache_usage: float  # fraction of KV blocks in use
     compiled_graphs: int  # graphs compiled (or loaded from torch's cache) by this process so far
+    compiling_graphs: int  # graphs waiting for or in their compile (their steps run eagerly meanwhile)
     prefix_queries: int | None  # prompt tokens looked up in the prefix cache (None: caching off)
     prefix_hits: int | None  # of those, found cached
     policy: object = None  # adaptive speculation's policy (its estimates and choices), when it runs
@@ -85,15 +88,41 @@ class Engine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    window=s.num_draft_tokens if s else 1, reserve=reserve_slots(s), prefix=prefix)
         self.requests: dict[str, Sequence] = {}
-        self.stats = Stats(self.spec_steps)
-        self.stats.prefix = prefix
-        policy = self.proposer.adaptive_policy()
-        self.stats.describe_policy = policy.describe if policy is not None else None
+        self.stats = self._new_stats()
         self.quarantine = Quarantine()
         self.finishing: list[tuple[Sequence, str]] = []  # finished this step, released after drafting
         # where a step's committed outputs go before drafting (the server's streams); None: `step` returns them
         self.emit: Callable[[list[StepOutput]], None] | None = None
         self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    def _new_stats(self) -> Stats:
+        stats, policy = Stats(self.spec_steps), self.proposer.adaptive_policy()
+        stats.prefix = self.scheduler.prefix
+        stats.describe_policy = policy.describe if policy is not None else None
+        return stats
+
+    def warm_up(self, timeout: float | None = None) -> bool:
+        """Compile the graphs a first request runs before serving one: a short greedy request through the
+        engine makes its shapes hot (batch 1, the first context bucket, the configured drafts), then wait
+        for their compiles (tsengine/model/compile_worker.py). The counters start again after it. False if
+        `timeout` passed first (the rest compile in the background). Why: a server's first request would
+        otherwise run eagerly beside its own graph's compile, several times a warm request's time
+        (docs/benchmarks.md, "No request waits for a compile"); the disk cache makes later starts cheap."""
+        if self.runner.compiled is None:
+            return True
+        log.info("warming up: compiling the step graphs a first request runs (cached on disk after)")
+        t0 = time.perf_counter()
+        prompt = self.tokenizer("Warm up.", add_special_tokens=False)["input_ids"] or [0]
+        steps = 3 * (HOT_AFTER + 1)  # every shape of the request meets its heat threshold
+        self.add_request("tsengine-warm-up", prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+        while self.has_unfinished():
+            self.step()
+        done = compile_worker.WORKER.wait(timeout)
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.queries = self.scheduler.prefix.hits = 0
+        self.stats = self._new_stats()
+        log.info("warmed up in %.1f s%s", time.perf_counter() - t0, "" if done else " (compiles left running)")
+        return done
 
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, capture: bool = False) -> None:
@@ -145,7 +174,8 @@ class Engine:
         sched, blocks, prefix = self.scheduler, self.runner.blocks, self.scheduler.prefix
         return EngineSnapshot(running=len(sched.running), waiting=len(sched.waiting),
                               kv_cache_usage=1 - blocks.num_free / max(1, blocks.num_blocks),
-                              compiled_graphs=graphs.compiles(),
+                              compiled_graphs=compile_worker.WORKER.compiled,
+                              compiling_graphs=compile_worker.WORKER.pending,
                               prefix_queries=prefix.queries if prefix is not None else None,
                               prefix_hits=prefix.hits if prefix is not None else None,
                               policy=self.proposer.adaptive_policy())

@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import time
 
-from tsengine.model import graphs
+from tsengine.model import compile_worker
 
 log = logging.getLogger("tsengine")
 
 
 class StepClock:
     """One step's time marks: started, verdicts in, outputs committed (and emitted), finished. A step that
-    compiled a graph took seconds for it, which is no step's cost: its target time reads 0 (unknown)."""
+    compiled a graph, or shared the cores with a compile, says nothing of its own cost: its target time
+    reads 0 (unknown)."""
 
     def __init__(self):
-        self.start, self._compiles = time.perf_counter(), graphs.compiles()
+        self.start, self._epoch = time.perf_counter(), compile_worker.epoch()
         self.verdicts = self.commit = self.start
 
     def verified(self) -> None:
@@ -26,7 +27,7 @@ class StepClock:
 
     @property
     def target_seconds(self) -> float:
-        return self.verdicts - self.start if graphs.compiles() == self._compiles else 0.0
+        return self.verdicts - self.start if compile_worker.quiet(self._epoch) else 0.0
 
     def finished(self) -> tuple[float, float, float]:
         """(forward, commit, draft) seconds: schedule to verdicts, the commit, the proposer and the rest."""

@@ -108,16 +108,16 @@ class ModelRunner:
                 ctx.set_trees(windows.flat_rows, windows.starts, windows.depths, windows.ancestors)
         rows = torch.tensor(drawing, dtype=torch.long).to(dev, non_blocking=True)
         shape = self.compiled.shape_for(batch, ctx, windows is not None and windows.is_tree) if self.compiled else None
-        if shape is not None and not self.compiled.ready(shape):  # not hot yet: eager (tsengine/model/graphs.py)
-            shape = None
-        if shape is not None:  # a decode or verify step of one shape: its compiled graph (every row draws)
-            hidden, aux, logits = self.compiled.forward(shape, input_ids, ctx)
+        # a decode or verify step of one shape: its compiled graph once ready (every row draws), else eager
+        graphed = self.compiled.forward(shape, input_ids, ctx) if shape is not None else None
+        if graphed is not None:
+            hidden, aux, logits = graphed
             logits = logits[rows]
         else:
             hidden, aux = self.model(input_ids, ctx, self.kv)
             logits = self.model.logits(hidden[rows])
         forward = Forward(hidden=hidden, aux=aux, logits=logits, draw_positions=ctx.positions[rows] + 1,
-                          first_row=first_row, windows=windows, graph=shape is not None)
+                          first_row=first_row, windows=windows, graph=graphed is not None)
         if any(s.seq.capture is not None for s in batch):
             write_captures(self.model, batch, forward, drawing)
         return forward

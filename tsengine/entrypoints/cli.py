@@ -93,7 +93,8 @@ def _serve(args) -> None:
         default_max_tokens=args.default_max_tokens, max_queue_len=args.max_queue_len,
         max_body_bytes=args.max_request_body_bytes, header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
-        drain_timeout_s=args.drain_timeout, sanitize_control_tokens=args.sanitize_control_tokens)
+        drain_timeout_s=args.drain_timeout, sanitize_control_tokens=args.sanitize_control_tokens,
+        warmup=args.warmup)
     serve(engine_config(args), settings, host=args.host, port=args.port)
 
 
@@ -248,6 +249,11 @@ def parser() -> argparse.ArgumentParser:
                          "plain text, so a message cannot forge a turn; --no-sanitize-control-tokens is vLLM's "
                          f"behaviour (default {'on' if d.sanitize_control_tokens else 'off'}; /v1/completions "
                          "prompts are never touched)")
+    sv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=d.warmup,
+                    help="before listening, compile the step graphs a first request runs (batch 1, the configured "
+                         "drafts; cached on disk under the tsengine cache, so later starts take seconds); other "
+                         "shapes compile off the engine thread while their steps run eagerly "
+                         f"(default {'on' if d.warmup else 'off'})")
     sv.set_defaults(run=_serve)
     return p
 

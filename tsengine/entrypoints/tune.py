@@ -128,6 +128,7 @@ def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], 
     """Each level `repeats` times; the median tok/s: a shared CPU's speed moves by tens of percent between
     runs (docs/benchmarks-journal.md, "`tsengine tune` on the embedded target (issue 15, previous revision)")."""
     from tsengine.entrypoints.llm import LLM
+    from tsengine.model.compile_worker import WORKER
     from tsengine.sampling_params import SamplingParams
 
     spec = SpeculativeConfig.resolve(**candidate.spec) if candidate.spec else None
@@ -143,6 +144,10 @@ def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], 
     for c in levels:
         engine.scheduler.max_num_seqs = c  # the engine is sized for the largest level
         batch = [{"prompt_token_ids": ids[i % len(ids)]} for i in range(max(c, len(ids)))]
+        # untimed: the level's batch shapes become hot and compile (off the engine thread) before its timed
+        # rounds, which would otherwise run them eagerly beside their compiles
+        llm.generate(batch, SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=0))
+        WORKER.wait()
         verify0, accepted0 = engine.stats.num_drafts, engine.stats.num_accepted
         policy = engine.proposer.adaptive_policy()
         chosen0 = dict(policy.chosen) if policy is not None else {}

@@ -5,6 +5,7 @@ whose per-call cost is the compiled code's own."""
 from __future__ import annotations
 
 import functools
+import threading
 import types
 
 import torch
@@ -33,12 +34,13 @@ def compile_step(fn, *bound, key: tuple) -> "DirectGraph":
         "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
 
 
-_compiling: list["DirectGraph"] = []  # the graph whose first call is running (dynamo compiles inside it)
+_compiling = threading.local()  # .graphs: the graphs whose first call runs on this thread (dynamo compiles inside)
 
 
 def _keep_rewritten(code: types.CodeType, new_code: types.CodeType) -> None:
-    if _compiling and _compiling[-1].rewritten is None:
-        _compiling[-1].rewritten = new_code
+    graphs = getattr(_compiling, "graphs", None)
+    if graphs and graphs[-1].rewritten is None:
+        graphs[-1].rewritten = new_code
 
 
 torch._dynamo.convert_frame.register_bytecode_hook(_keep_rewritten)
@@ -69,15 +71,22 @@ class DirectGraph:
         self.step, self.compiled = step, compiled
         self.rewritten: types.CodeType | None = None
         self.direct, self.signature = None, None
+        self.state = "new"  # then queued, ready or failed (tsengine/model/compile_worker.py)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
 
     def __call__(self, *inputs):
         if self.direct is not None and _signature(inputs) == self.signature:
             return self.direct(*inputs)
-        _compiling.append(self)
+        if not hasattr(_compiling, "graphs"):
+            _compiling.graphs = []
+        _compiling.graphs.append(self)
         try:
             out = self.compiled(*inputs)
         finally:
-            _compiling.pop()
+            _compiling.graphs.pop()
         if self.direct is None and self.rewritten is not None:
             self.direct, self.rewritten = self._plain(self.rewritten), None
             self.signature = _signature(inputs)

@@ -14,51 +14,33 @@ stay eager: prefill is compute-bound, and the rest are rarer shapes than graphs 
 
 The EAGLE-3 head's graphs (`tsengine/speculative/draft_graphs.py`) use the same compiler, buckets and `Heat`.
 
-Graphs compile lazily, once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph
-steps; until then it runs eagerly), and are logged with their compile time; torch's FX graph cache keeps
-them on disk, so a restart recompiles a known shape in seconds, not the better part of a minute. Why not
-on the first step: a compile stalls every request in the batch for that long, and a shape met once (an
-adaptive server's exploration step, one step in 128 at 16 requests) never earns that back: compiled on
-first sight, exploration stalled two of three timed rounds of a 16-request benchmark to a fraction of a
-round without a compile (measured: docs/benchmarks-journal.md,
-"16 requests through the server, after the age rule"). A shape a fixed configuration runs is hot after two
-eager steps. On CUDA the same static step is what a CUDA graph would capture; that path is unmeasured (no
-GPU has run it) and off.
+Graphs compile once their shape is hot (`Heat`: its `HOT_AFTER`-th step within `HOT_WINDOW` graph steps),
+off the engine thread (tsengine/model/compile_worker.py): until a shape's graph is ready its steps run
+eagerly, so no request waits for a compile. Why not every shape on sight: a shape met once (an adaptive
+server's exploration step, one step in 128 at 16 requests) never earns its compile back, and a compile
+shares the cores with the steps it would speed up (measured: docs/benchmarks-journal.md, "16 requests
+through the server, after the age rule"). A shape a fixed configuration runs is hot after two eager steps.
+The compiled code is cached on disk under the tsengine cache, so a restart loads a known shape in seconds.
+On CUDA the same static step is what a CUDA graph would capture; that path is unmeasured (no GPU has run
+it) and off.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import astuple, dataclass
 
 import torch
 
 from tsengine.cache.kv_cache import scratch_slot
+from tsengine.model.compile_worker import WORKER, raise_recompile_limits, use_persistent_cache
 from tsengine.model.context import Context
 from tsengine.model.graph_compiler import compile_step
 from tsengine.model.linear import compiled_packed_ops
-
-log = logging.getLogger("tsengine")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CONTEXT = 256
 HOT_AFTER = 3  # a shape compiles on its third step within HOT_WINDOW graph-eligible steps
 HOT_WINDOW = 64
-_compiles = 0  # graphs compiled (or loaded from torch's cache) in this process
-
-
-def compile_counted(fn, *bound, key: tuple):
-    """`compile_step`, counted in `compiles()`: every graph of the process, the target's and the head's."""
-    global _compiles
-    _compiles += 1
-    return compile_step(fn, *bound, key=key)
-
-
-def compiles() -> int:
-    """How many graphs this process has compiled so far: a step that compiled one took seconds, not
-    milliseconds, so timing consumers (the adaptive policy's cost model) skip it."""
-    return _compiles
 
 
 @dataclass(frozen=True)
@@ -124,14 +106,13 @@ class CompiledSteps:
             contexts, c = contexts + [c], 2 * c
         self.contexts = tuple(contexts + [top])
         self.graphs: dict[Shape, object] = {}
-        self.compile_seconds: dict[Shape, float] = {}
         self.heat = Heat()
         self.steps = 0  # steps run through a graph (the rest ran eagerly)
         # one graph per shape, and never a dynamic one: a shape change is a new graph, not a recompile of the
         # last one with symbolic sizes (slower, above)
         self.packed_ops = compiled_packed_ops()
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
+        use_persistent_cache()
+        raise_recompile_limits()
 
     def shape_for(self, batch, ctx: Context, tree: bool) -> Shape | None:
         """The graph shape this step pads to, or None when it runs eagerly (see the module docstring)."""
@@ -143,14 +124,19 @@ class CompiledSteps:
             return None
         return Shape(size, window, context, tree)
 
-    def ready(self, shape: Shape) -> bool:
-        """Whether this step runs through `shape`'s graph: compiled already, or hot enough to compile now.
-        Ticks the clock: call it once per step that fits a graph."""
-        self.heat.tick()
-        return shape in self.graphs or self.heat.hot(shape)
-
     def forward(self, shape: Shape, input_ids: torch.Tensor, ctx: Context):
-        """(hidden, aux, logits) of the real rows: the step padded to `shape`, run through its graph."""
+        """(hidden, aux, logits) of the real rows: the step padded to `shape`, run through its graph; None
+        while that graph is not ready (its shape not hot yet, or compiling), and the caller runs eagerly.
+        Ticks the heat clock: call it once per step that fits a graph."""
+        self.heat.tick()
+        graph = self.graphs.get(shape)
+        if graph is None:
+            if not self.heat.hot(shape):
+                return None
+            graph = self.graphs[shape] = compile_step(static_step, self.model, self.kv, self.block_size,
+                                                      shape.window, key=astuple(shape))
+        if graph.state not in ("new", "ready"):  # compiling, or failed to: eager
+            return None
         b, w = ctx.block_tables.shape[0], shape.window
         pad = (shape.batch - b) * w
 
@@ -162,15 +148,14 @@ class CompiledSteps:
         tables[:b, :width] = ctx.block_tables[:, :width]
         lens = torch.cat([ctx.context_lens, ctx.context_lens.new_ones(shape.batch - b)])
         tree = (rows(ctx.tree_start, 0), rows(ctx.tree_anc, 1)) if shape.tree else (None, None)
-        graph, t0 = self.graphs.get(shape), time.perf_counter()
-        if graph is None:
-            graph = self.graphs[shape] = compile_counted(static_step, self.model, self.kv, self.block_size,
-                                                      shape.window, key=astuple(shape))
-        hidden, aux, logits = graph(rows(input_ids, 0), rows(ctx.positions, 0), rows(ctx.slot_mapping, self.scratch),
-                                    tables, lens, *tree)
-        if shape not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
-            self.compile_seconds[shape] = time.perf_counter() - t0
-            log.info("compiled the %s step graph in %.1f s", shape.name, self.compile_seconds[shape])
+        slots = rows(ctx.slot_mapping, self.scratch)
+        inputs = (rows(input_ids, 0), rows(ctx.positions, 0), slots, tables, lens, *tree)
+        if graph.state == "new":  # its compile writes only the scratch slot
+            WORKER.submit(graph, tuple(torch.full_like(x, self.scratch) if x is slots else
+                                       x if x is None else x.clone() for x in inputs), f"{shape.name} step")
+            if not graph.ready:
+                return None
+        hidden, aux, logits = graph(*inputs)
         self.steps += 1
         n = b * w
         return hidden[:n], None if aux is None else aux[:n], logits[:n]

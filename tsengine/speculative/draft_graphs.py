@@ -17,17 +17,15 @@ heat rule below keeps rare ones eager.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 
 import torch
 
 from tsengine.cache.kv_cache import scratch_slot, slot
+from tsengine.model.compile_worker import WORKER
 from tsengine.model.context import Context
-from tsengine.model.graphs import BATCH_BUCKETS, Heat, bucket, compile_counted
-
-log = logging.getLogger("tsengine")
+from tsengine.model.graph_compiler import compile_step
+from tsengine.model.graphs import BATCH_BUCKETS, Heat, bucket
 
 EXTEND_WINDOWS = (1, 4, 8)  # committed rows per request the head's extension pads to (a chain of 3 commits 1-4)
 
@@ -76,22 +74,24 @@ class DraftGraphs:
         self.scratch_block = self.scratch // proposer.block_size
         self.extends = os.environ.get("TSENGINE_EXTEND_GRAPHS", "0") == "1"  # opt-in: see the module docstring
         self.graphs: dict[tuple, object] = {}
-        self.compile_seconds: dict[tuple, float] = {}
 
     def _graph(self, key: tuple, fn, *bound):
-        """`key`'s graph, compiled now if it is hot; None while it is not (the caller runs eagerly)."""
+        """`key`'s graph if it may run now or compile (its shape is hot); None while it is not hot, is
+        compiling, or failed to compile (the caller runs eagerly)."""
         graph = self.graphs.get(key)
         if graph is None and self.heat.hot(key):
-            graph = self.graphs[key] = compile_counted(fn, *bound, key=key)
-        return graph
+            graph = self.graphs[key] = compile_step(fn, *bound, key=key)
+        return graph if graph is not None and graph.state in ("new", "ready") else None
 
-    def _call(self, key: tuple, what: str, graph, *inputs):
-        t0 = time.perf_counter()
-        out = graph(*inputs)
-        if key not in self.compile_seconds:  # its first call compiled it (or loaded it from torch's cache)
-            self.compile_seconds[key] = time.perf_counter() - t0
-            log.info("compiled the %s graph %s in %.1f s", what, key, self.compile_seconds[key])
-        return out
+    def _call(self, key: tuple, what: str, graph, inputs: tuple, slots: int | None = None):
+        """The graph's outputs, or None while it is compiling (a new graph is submitted first; its compile's
+        copy of the inputs writes only the scratch slot: `slots` is the index of the slot input)."""
+        if graph.state == "new":
+            WORKER.submit(graph, tuple(torch.full_like(x, self.scratch) if i == slots else x.clone()
+                                       for i, x in enumerate(inputs)), f"{what} {key}")
+            if not graph.ready:
+                return None
+        return graph(*inputs)
 
     def fits(self, runs) -> bool:
         """Whether the runs' extension fits a graph (`extend`, `extend_and_chain`)."""
@@ -152,7 +152,8 @@ class DraftGraphs:
         if graph is None:
             return None
         inputs, real, _ = self._pad(runs, ids, aux, None, *shape)
-        return self._call(key, "extension", graph, *inputs)[torch.tensor(real, device=aux.device)]
+        out = self._call(key, "head extension", graph, inputs, slots=3)
+        return None if out is None else out[torch.tensor(real, device=aux.device)]
 
     def extend_and_chain(self, runs: list[tuple[list[int], int, int]], ids: list[int], aux: torch.Tensor,
                          steps: int, rows: list[int] | None = None) -> torch.Tensor | None:
@@ -168,7 +169,8 @@ class DraftGraphs:
         if graph is None:
             return None
         inputs, _, last = self._pad(runs, ids, aux, rows, *shape)
-        return self._call(key, f"head extension (window {shape[1]}) and chain", graph, *inputs, last)[:len(runs)]
+        out = self._call(key, "head extension and chain", graph, (*inputs, last), slots=3)
+        return None if out is None else out[:len(runs)]
 
     def chain(self, steps: int, hidden, pos, tables):
         """[D, steps] greedy drafts from the head's outputs `hidden` [D, H] at draft positions `pos` [D]; None
@@ -188,4 +190,5 @@ class DraftGraphs:
         if pad:
             pos = torch.cat([pos, pos.new_zeros(pad)])
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
-        return self._call(key, "chain", graph, hidden, pos, padded)[:d]
+        out = self._call(key, "head chain", graph, (hidden, pos, padded))  # the chain writes no cache
+        return None if out is None else out[:d]

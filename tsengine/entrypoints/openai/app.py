@@ -145,7 +145,13 @@ def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1
     from tsengine.engine import Engine
     from tsengine.entrypoints.openai.shutdown import run_until_drained
 
-    engine = AsyncEngine(lambda: Engine(config))  # built on the engine thread: see async_engine
+    def build() -> Engine:  # on the engine thread: see async_engine
+        engine = Engine(config)
+        if settings.warmup:
+            engine.warm_up()
+        return engine
+
+    engine = AsyncEngine(build)
     try:
         run_until_drained(build_app(engine, settings), settings, host, port)
     finally:

@@ -44,8 +44,9 @@ class _EngineCollector:
             yield CounterMetricFamily("tsengine:prefix_cache_hits", "Prefix cache: prompt tokens found cached.",
                                       value=snap.prefix_hits)
         yield CounterMetricFamily("tsengine:compiled_graphs", "Step graphs compiled (or loaded from torch's cache) "
-                                  "so far; each stalls its step for seconds (docs/design/graphs.md).",
-                                  value=snap.compiled_graphs)
+                                  "so far (docs/design/graphs.md).", value=snap.compiled_graphs)
+        yield GaugeMetricFamily("tsengine:compiling_graphs", "Step graphs waiting for or in their compile, off the "
+                                "engine thread; their steps run eagerly meanwhile.", value=snap.compiling_graphs)
         yield GaugeMetricFamily("tsengine:num_requests_running", "Requests scheduled.", value=snap.running)
         yield GaugeMetricFamily("tsengine:num_requests_waiting", "Requests queued.", value=snap.waiting)
         yield GaugeMetricFamily("tsengine:kv_cache_usage_perc", "Fraction of KV blocks in use.",

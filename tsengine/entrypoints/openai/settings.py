@@ -29,6 +29,9 @@ class ServerSettings:
     # tokens: a message cannot forge a turn (chat_template.py). Off is vLLM's behaviour. /v1/completions' raw
     # prompts are never touched
     sanitize_control_tokens: bool = True
+    # before listening: run one short request so the graphs a first request needs compile first
+    # (Engine.warm_up); the rest compile off the engine thread while requests run eagerly
+    warmup: bool = True
 
 
 def default_model_name(model: str) -> str:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tsengine.model import graphs
+from tsengine.model import compile_worker
 from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan, stats
 from tsengine.speculative.drafts import Committed, Proposal, Proposer
 
@@ -41,7 +41,7 @@ class AdaptiveProposer(Proposer):
         remaining = [known_remaining(seq) for seq in need]
         plan = (policy.choose([stats(seq, policy.steps) for seq in need], found, remaining, proposal.queued) if need
                 else Plan(Arm(0), []))
-        t1, compiled_before = time.perf_counter(), graphs.compiles()
+        t1, epoch = time.perf_counter(), compile_worker.epoch()
         drafts, extended, catch_up = self._head_drafts(proposal, plan)
         for j, source in enumerate(plan.sources):
             if source == "ngram" and found[j] is not None:
@@ -52,7 +52,7 @@ class AdaptiveProposer(Proposer):
             first = next((d for d in drafts if d is not None), None)
             if first is not None:
                 first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
-            fresh = graphs.compiles() != compiled_before  # a compile says nothing about the plan's cost
+            fresh = not compile_worker.quiet(epoch)  # a compile's time says nothing about the plan's cost
             policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1 - catch_up,
                                None if between is None else t1 - t0 + between)
             policy.draft_len = plan.arm.steps
