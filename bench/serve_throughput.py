@@ -149,18 +149,23 @@ def policy_counts(base: str) -> dict[str, float]:
 
 
 def compiled_graphs(base: str) -> float:
-    """How many step graphs the server has compiled so far (/metrics)."""
-    for line in metrics(base):
-        if line.startswith("tsengine:compiled_graphs_total "):
-            return float(line.split()[1])
-    return 0.0
+    """How many step graphs the server has compiled so far (/metrics), after waiting (up to 15 min) for
+    those still compiling off its engine thread."""
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics(base)
+                  if line.startswith(("tsengine:compiled_graphs_total ", "tsengine:compiling_graphs "))}
+        if not values.get("tsengine:compiling_graphs"):
+            return values.get("tsengine:compiled_graphs_total", 0.0)
+        time.sleep(1)
+    raise SystemExit(f"{base}: graphs still compiling after 15 minutes")
 
 
 def warm_up(args, s: dict, prompts: list[str]) -> None:
     """Every level as measured, unrecorded, repeated until a pass compiles no new step graph (at most
-    `--warmup-passes`): a graph compiled inside a timed round stalls it for seconds. Adaptive speculation
-    reaches more shapes (chain lengths, lookup-only steps) than a fixed configuration, and reaches them by
-    its own choices, so one pass may not cover them."""
+    `--warmup-passes`): a graph compiling beside a timed round shares its cores, and its steps run
+    eagerly. Adaptive speculation reaches more shapes (chain lengths, lookup-only steps) than a fixed
+    configuration, and reaches them by its own choices, so one pass may not cover them."""
     for c in args.levels:
         for _ in range(args.warmup_passes):
             before = compiled_graphs(s["base"])
