@@ -38,8 +38,9 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest
 
-# The engine's losslessness tests with compiled step graphs (the default outside tests; ~10 s per new
-# graph shape on first use, cached after): tests/conftest.py makes the default suite eager.
+# The engine's losslessness tests with compiled step graphs (the default outside tests; each new graph
+# shape compiles on first use, cached on disk after): tests/conftest.py makes the default suite eager, and
+# compiles inline (on the step that needs the graph) so a test proves its graph ran. CI runs this too.
 test-compiled: $(STAMP)
 	TSENGINE_ENFORCE_EAGER=0 $(PY) -m pytest -m "not slow" tests/engine/test_engine.py tests/engine/test_engine_tree.py tests/speculative/test_adaptive.py tests/model/test_graphs.py \
 		tests/speculative/test_draft_quantization.py
