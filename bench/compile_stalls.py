@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--draft", default=None, help="an EAGLE-3 head: adds the chain (3,1,4) rows")
     ap.add_argument("--out", default="/tmp/compile-stalls", help="JSON results and the arms' caches")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--modes", default="lazy,background", help="which arms (lazy: the old behaviour)")
     ap.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one arm in this process
     args = ap.parse_args()
     if args.arm:
@@ -89,6 +90,8 @@ def main() -> None:
     rows = []
     for method in ["plain"] + (["chain"] if args.draft else []):
         for mode, starts in (("lazy", ("cold",)), ("background", ("cold", "warm"))):
+            if mode not in args.modes.split(","):
+                continue
             cache = out / f"inductor-{method}-{mode}"
             shutil.rmtree(cache, ignore_errors=True)
             for start in starts:

@@ -136,10 +136,16 @@ def test_warm_up_compiles_a_first_requests_graphs(tiny_dirs, heads, background):
 
 def test_the_compile_cache_lives_under_the_tsengine_cache(monkeypatch, tmp_path):
     """Unless the user chose a directory: torch's default is the system temp dir, which cleaners wipe."""
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     monkeypatch.setenv("TSENGINE_CACHE", str(tmp_path))
-    path = compile_worker.use_persistent_cache()
-    assert path.startswith(str(tmp_path / "inductor")) and torch.__version__ in path
+    for unset in (None, default_cache_dir()):  # torch writes its default into the environment on first use
+        if unset is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", unset)
+        path = compile_worker.use_persistent_cache()
+        assert path.startswith(str(tmp_path / "inductor")) and torch.__version__ in path
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compile_worker.use_persistent_cache() == str(tmp_path / "mine")
 
@@ -150,3 +156,34 @@ def test_a_bad_compile_mode_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("TSENGINE_GRAPH_COMPILE", "sometimes")
     with pytest.raises(UserError, match="TSENGINE_GRAPH_COMPILE.*background, inline"):
         compile_worker.mode()
+
+
+_RESTART = """
+import sys
+from tsengine.entrypoints.llm import LLM
+from tsengine.model.compile_worker import WORKER
+from tsengine.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], block_size=4, max_num_batched_tokens=16)
+llm.engine.warm_up(timeout=600)
+print("COUNTS", WORKER.compiled, WORKER.loaded)
+"""
+
+
+def test_a_restart_loads_its_graphs_from_the_cache_on_disk(tiny_dirs, tmp_path):
+    """The warm-up's graphs, compiled by one process under the tsengine cache, are loaded by the next."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(TSENGINE_CACHE=str(tmp_path), TSENGINE_ENFORCE_EAGER="0", TSENGINE_GRAPH_COMPILE="background")
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _RESTART, str(tiny_dirs["llama"])], env=env, text=True,
+                             capture_output=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        compiled, loaded = map(int, out.stdout.split("COUNTS")[1].split())
+        counts.append((compiled, loaded))
+    assert counts[0][0] > 0 and counts[0][1] == 0, counts  # a new cache: compiled
+    assert counts[1] == (counts[0][0], counts[0][0]), counts  # the restart: every graph loaded
+    assert (tmp_path / "inductor").is_dir()

@@ -63,11 +63,17 @@ def use_persistent_cache() -> str:
     """Point inductor's cache (its FX graph cache and compiled code) at <tsengine cache>/inductor/<machine>,
     unless the user chose a directory (TORCHINDUCTOR_CACHE_DIR). Keyed by torch version and CPU flags:
     this cache may outlive the machine's CPU model, and code built for AVX-512 must not load on an
-    AVX2-only CPU."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    AVX2-only CPU. Torch writes its own default (the system temp dir) into the environment the first time
+    it asks (some import does), so that value counts as unset; call this before anything compiles."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        from torch._inductor.utils import clear_caches
+
         from tsengine.targets import cache_root
 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor" / machine_tag())
+        clear_caches()  # paths torch memoized under the old directory
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
@@ -101,6 +107,7 @@ class CompileWorker:
         self.pending = 0  # submitted, not finished
         self.compiled = 0  # ready graphs (compiled, or loaded from the cache on disk)
         self.failed = 0
+        self.loaded = 0  # of the compiled, those found in the compile cache on disk (a restart's)
         self._epoch = 0
 
     def submit(self, graph, inputs: tuple, name: str) -> None:
@@ -149,7 +156,7 @@ class CompileWorker:
 
     def _compile(self, graph, inputs: tuple, name: str) -> None:
         self._epoch += 1
-        t0 = time.perf_counter()
+        t0, misses = time.perf_counter(), _cache_misses()
         try:
             with torch.no_grad():
                 graph(*inputs)
@@ -158,10 +165,20 @@ class CompileWorker:
             log.warning("compiling the %s graph failed, its steps stay eager: %s: %s", name, type(e).__name__, e)
         else:
             graph.state, self.compiled = "ready", self.compiled + 1
-            log.info("compiled the %s graph in %.1f s%s", name, time.perf_counter() - t0,
-                     "" if mode() == "inline" else " (off the engine thread)")
+            cached = _cache_misses() == misses
+            self.loaded += cached
+            log.info("%s the %s graph in %.1f s%s", "loaded" if cached else "compiled", name,
+                     time.perf_counter() - t0, "" if mode() == "inline" else " (off the engine thread)")
         finally:
             self._epoch += 1
+
+
+def _cache_misses() -> int:
+    """Lookups in torch's compile caches on disk (AOT autograd's, inductor's FX graph cache) that found
+    nothing: a compile that adds none loaded its graph instead of compiling it."""
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"]
 
 
 def _fx_patches_on_the_tracing_thread_only() -> None:
