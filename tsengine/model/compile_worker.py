@@ -97,6 +97,14 @@ def raise_recompile_limits() -> None:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
 
 
+def scratch_copy(inputs: tuple, slots: int | None, scratch: int) -> tuple:
+    """A graph's compile inputs: a copy of a step's, with input `slots` (the KV slots it writes; None: it
+    writes none) all pointing at the scratch slot, which nobody reads. The step's own tensors stay the
+    step's: the compile runs later, on another thread."""
+    return tuple(None if x is None else torch.full_like(x, scratch) if i == slots else x.clone()
+                 for i, x in enumerate(inputs))
+
+
 class CompileWorker:
     """The process's compile queue (one per process: graphs of several engines share the cores)."""
 

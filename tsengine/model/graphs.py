@@ -32,7 +32,7 @@ from dataclasses import astuple, dataclass
 import torch
 
 from tsengine.cache.kv_cache import scratch_slot
-from tsengine.model.compile_worker import WORKER, raise_recompile_limits, use_persistent_cache
+from tsengine.model.compile_worker import WORKER, raise_recompile_limits, scratch_copy, use_persistent_cache
 from tsengine.model.context import Context
 from tsengine.model.graph_compiler import compile_step
 from tsengine.model.linear import compiled_packed_ops
@@ -148,11 +148,10 @@ class CompiledSteps:
         tables[:b, :width] = ctx.block_tables[:, :width]
         lens = torch.cat([ctx.context_lens, ctx.context_lens.new_ones(shape.batch - b)])
         tree = (rows(ctx.tree_start, 0), rows(ctx.tree_anc, 1)) if shape.tree else (None, None)
-        slots = rows(ctx.slot_mapping, self.scratch)
-        inputs = (rows(input_ids, 0), rows(ctx.positions, 0), slots, tables, lens, *tree)
+        inputs = (rows(input_ids, 0), rows(ctx.positions, 0), rows(ctx.slot_mapping, self.scratch), tables, lens,
+                  *tree)
         if graph.state == "new":  # its compile writes only the scratch slot
-            WORKER.submit(graph, tuple(torch.full_like(x, self.scratch) if x is slots else
-                                       x if x is None else x.clone() for x in inputs), f"{shape.name} step")
+            WORKER.submit(graph, scratch_copy(inputs, 2, self.scratch), f"{shape.name} step")
             if not graph.ready:
                 return None
         hidden, aux, logits = graph(*inputs)

@@ -22,7 +22,7 @@ import os
 import torch
 
 from tsengine.cache.kv_cache import scratch_slot, slot
-from tsengine.model.compile_worker import WORKER
+from tsengine.model.compile_worker import WORKER, scratch_copy
 from tsengine.model.context import Context
 from tsengine.model.graph_compiler import compile_step
 from tsengine.model.graphs import BATCH_BUCKETS, Heat, bucket
@@ -87,8 +87,7 @@ class DraftGraphs:
         """The graph's outputs, or None while it is compiling (a new graph is submitted first; its compile's
         copy of the inputs writes only the scratch slot: `slots` is the index of the slot input)."""
         if graph.state == "new":
-            WORKER.submit(graph, tuple(torch.full_like(x, self.scratch) if i == slots else x.clone()
-                                       for i, x in enumerate(inputs)), f"{what} {key}")
+            WORKER.submit(graph, scratch_copy(inputs, slots, self.scratch), f"{what} {key}")
             if not graph.ready:
                 return None
         return graph(*inputs)
