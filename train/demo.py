@@ -63,6 +63,7 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
     import time
 
     from tsengine.entrypoints.llm import LLM
+    from tsengine.model.compile_worker import WORKER
     from tsengine.sampling_params import SamplingParams
     from tsengine.targets import encode_prompt
 
@@ -78,8 +79,9 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
         llm = LLM(str(target), speculative_config=spec, max_num_seqs=4, enable_prefix_caching=False)
         ids = encode_prompt(llm.tokenizer, PROMPT)
         # warm-up to full length: it compiles the step graphs of every context size the timed run reaches
-        # (tsengine/model/graphs.py; ~30-50 s each on 2 cores the first time, seconds from torch's cache after)
+        # (tsengine/model/graphs.py; ~45 s each on 2 cores the first time, seconds from the cache on disk after)
         llm.generate([ids], params)
+        WORKER.wait()  # those graphs compile off the engine thread: all ready before the timed run
         t0 = time.perf_counter()
         out = llm.generate([ids], params)[0]
         dt = time.perf_counter() - t0

@@ -187,3 +187,27 @@ def test_a_restart_loads_its_graphs_from_the_cache_on_disk(tiny_dirs, tmp_path):
     assert counts[0][0] > 0 and counts[0][1] == 0, counts  # a new cache: compiled
     assert counts[1] == (counts[0][0], counts[0][0]), counts  # the restart: every graph loaded
     assert (tmp_path / "inductor").is_dir()
+
+
+def test_graphs_of_a_dropped_engine_are_not_compiled(tiny_dirs, heads, background, monkeypatch):
+    """An engine dropped while its graphs wait for the worker (an eval builds one engine per shape) costs no
+    compile: the worker skips them, and nothing of the engine is kept alive by the queue."""
+    import gc
+
+    release, compiled, compile_ = threading.Event(), [], WORKER._compile
+
+    def held(graph, inputs, name):
+        compiled.append(name)
+        release.wait(120)
+        compile_(graph, inputs, name)
+
+    monkeypatch.setattr(WORKER, "_compile", held)
+    llm = make_llm(tiny_dirs, head=heads["llama"], max_num_seqs=3)
+    _tokens(llm)
+    queued = len(llm.engine.runner.compiled.graphs) + len(llm.engine.proposer.graphs.graphs)
+    assert queued >= 2
+    del llm
+    gc.collect()
+    release.set()
+    assert WORKER.wait(300)
+    assert len(compiled) == 1, compiled  # the one already on the worker when the engine went

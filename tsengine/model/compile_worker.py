@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import gc
 import hashlib
 import logging
 import os
@@ -41,6 +42,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 
 import torch
 
@@ -131,7 +133,7 @@ class CompileWorker:
                 _fx_patches_on_the_tracing_thread_only()
                 self._thread = threading.Thread(target=self._run, name="tsengine-compile", daemon=True)
                 self._thread.start()
-        self._queue.put((graph, inputs, name))
+        self._queue.put((weakref.ref(graph), inputs, name))  # an engine dropped meanwhile: nothing to compile
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no compile is pending (benchmarks, after their warm-up); False on timeout."""
@@ -151,13 +153,18 @@ class CompileWorker:
         inductor.compile_threads = 1
         raise_recompile_limits()
         while True:
-            graph, inputs, name = self._queue.get()
-            default = sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
-            try:
-                self._compile(graph, inputs, name)
-            finally:
-                sys.setswitchinterval(default)
+            ref, inputs, name = self._queue.get()
+            graph = ref()
+            if graph is not None:  # None: its engine is gone (an eval's engine per shape, say)
+                default = sys.getswitchinterval()
+                sys.setswitchinterval(SWITCH_INTERVAL_S)
+                try:
+                    self._compile(graph, inputs, name)
+                finally:
+                    sys.setswitchinterval(default)
+            del graph, inputs  # the engine's model is free to go
+            if not self._queue.empty():  # a dropped engine's graphs reach each other through their bound
+                gc.collect()  # modules (a cycle): collect it before the next job's weakref is read (~0.1-0.4 s)
             with self._lock:
                 self.pending -= 1
                 self._lock.notify_all()
