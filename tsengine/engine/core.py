@@ -33,7 +33,7 @@ from tsengine.engine.scheduler import Scheduled, Scheduler
 from tsengine.engine.startup import reserve_slots
 from tsengine.errors import UserError
 from tsengine.model import compile_worker
-from tsengine.model.graphs import HOT_AFTER
+from tsengine.model.graphs import TOKENS_TO_HEAT
 from tsengine.sample.sampling import RowParams
 from tsengine.sample.verify import Verdict, Verifier
 from tsengine.sampling_params import SamplingParams
@@ -113,8 +113,8 @@ class Engine:
         log.info("warming up: compiling the step graphs a first request runs (cached on disk after)")
         t0 = time.perf_counter()
         prompt = self.tokenizer("Warm up.", add_special_tokens=False)["input_ids"] or [0]
-        steps = 3 * (HOT_AFTER + 1)  # every shape of the request meets its heat threshold
-        self.add_request("tsengine-warm-up", prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+        self.add_request("tsengine-warm-up", prompt, SamplingParams(temperature=0, max_tokens=TOKENS_TO_HEAT,
+                                                                    ignore_eos=True))
         while self.has_unfinished():
             self.step()
         done = compile_worker.WORKER.wait(timeout)

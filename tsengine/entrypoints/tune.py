@@ -129,6 +129,7 @@ def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], 
     runs (docs/benchmarks-journal.md, "`tsengine tune` on the embedded target (issue 15, previous revision)")."""
     from tsengine.entrypoints.llm import LLM
     from tsengine.model.compile_worker import WORKER
+    from tsengine.model.graphs import TOKENS_TO_HEAT
     from tsengine.sampling_params import SamplingParams
 
     spec = SpeculativeConfig.resolve(**candidate.spec) if candidate.spec else None
@@ -146,7 +147,8 @@ def measure(model: str, candidate: Candidate, prompts: list, levels: list[int], 
         batch = [{"prompt_token_ids": ids[i % len(ids)]} for i in range(max(c, len(ids)))]
         # untimed: the level's batch shapes become hot and compile (off the engine thread) before its timed
         # rounds, which would otherwise run them eagerly beside their compiles
-        llm.generate(batch, SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=0))
+        llm.generate(batch, SamplingParams(temperature=temperature, max_tokens=TOKENS_TO_HEAT, ignore_eos=True,
+                                           seed=0))
         WORKER.wait()
         verify0, accepted0 = engine.stats.num_drafts, engine.stats.num_accepted
         policy = engine.proposer.adaptive_policy()

@@ -41,6 +41,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CONTEXT = 256
 HOT_AFTER = 3  # a shape compiles on its third step within HOT_WINDOW graph-eligible steps
 HOT_WINDOW = 64
+# tokens one greedy request makes to heat every shape it runs (a verify step may commit several)
+TOKENS_TO_HEAT = 3 * (HOT_AFTER + 1)
 
 
 @dataclass(frozen=True)
