@@ -122,7 +122,7 @@ def main() -> None:
             for shape in args.shapes.split(";"):
                 st, k, n = (int(x) for x in shape.split(","))
                 spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": st, "eagle_topk": k,
-                        "num_draft_tokens": n}
+                        "num_draft_tokens": n, "adaptive": False}
                 for quant in ("none", *(["bf16"] if args.bf16 else []), *(["int8"] if args.int8 else [])):
                     name = f"eagle3 ({st},{k},{n})" + ("" if quant == "none" else f" {quant}") + which
                     spec = {**spec, "quantization": quant}
@@ -149,7 +149,7 @@ def main() -> None:
         head.set_vocab_map(*vocab_map(cfg.vocab_size, cfg.draft_vocab_size, None))
         rows["eagle3-random"] = LLM(path, max_num_seqs=1, enable_prefix_caching=False, speculative_config={
             "method": "eagle3", "model": str(save_head(head, tempfile.mkdtemp())),
-            "num_speculative_tokens": args.steps})
+            "num_speculative_tokens": args.steps, "adaptive": False})
     longest = max(prompts, key=len)
     # Prefix caching is off in every row: repeats resend the same prompts, and HF pays their prefill each time.
     for llm in rows.values():  # warm-up: first calls allocate, pick kernels and compile every context bucket

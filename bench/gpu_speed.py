@@ -106,9 +106,10 @@ def main() -> None:
     print(f"random 8B-shape target ({args.layers} layers) and head written in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     rows = {"plain": None,
-            "eagle3 chain (3,1,4)": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3},
+            "eagle3 chain (3,1,4)": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3,
+                                     "adaptive": False},
             "eagle3 tree (5,8,32)": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 5,
-                                     "eagle_topk": 8, "num_draft_tokens": 32}}
+                                     "eagle_topk": 8, "num_draft_tokens": 32, "adaptive": False}}
     table = {}
     for name, spec in rows.items():
         llm = LLM(str(target), speculative_config=spec, dtype="bfloat16", device="cuda", max_num_seqs=64)

@@ -47,7 +47,7 @@ def start_server(args, name: str, extra: list[str]) -> dict:
            "--kv-cache-memory", str(args.kv_cache_memory), *extra]
     if args.draft:
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft,
-                "--speculative-num-steps", str(args.steps)]
+                "--speculative-num-steps", str(args.steps), "--no-speculative-adaptive"]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=os.environ.copy())
     return {"name": name, "proc": proc, "base": f"http://127.0.0.1:{port}", "cmd": cmd, "log": log}

@@ -47,7 +47,7 @@ def main() -> None:
 
     def eagle(steps, topk, n, **rule):
         return {"method": "eagle3", "model": args.draft, "num_speculative_tokens": steps, "eagle_topk": topk,
-                "num_draft_tokens": n, **rule}
+                "num_draft_tokens": n, "adaptive": False, **rule}
 
     specs = {"plain": None, "ngram (3)": {"method": "ngram", "num_speculative_tokens": 3},
              "chain (3,1,4) gumbel": eagle(3, 1, 4)}

@@ -79,13 +79,13 @@ def server_rows(args) -> list[tuple[str, list[str]]]:
                      ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", str(max(args.chains))]))
     if args.draft:
         eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft]
-        rows += [(f"eagle3 chain {k}", [*eagle, "--speculative-num-steps", str(k)]) for k in args.chains]
-        rows += [(f"eagle3 tree {s}x{k}x{n}", [*eagle, "--speculative-num-steps", str(s),
+        pinned = [*eagle, "--no-speculative-adaptive"]  # a fixed shape; adaptive is the default
+        rows += [(f"eagle3 chain {k}", [*pinned, "--speculative-num-steps", str(k)]) for k in args.chains]
+        rows += [(f"eagle3 tree {s}x{k}x{n}", [*pinned, "--speculative-num-steps", str(s),
                   "--speculative-eagle-topk", str(k), "--speculative-num-draft-tokens", str(n)])
                  for s, k, n in args.trees]
-        if not args.no_adaptive:
-            mode = (["--speculative-config", args.adaptive_config] if args.adaptive_config
-                    else ["--speculative-adaptive"])
+        if not args.no_adaptive:  # the default server: no flag
+            mode = ["--speculative-config", args.adaptive_config] if args.adaptive_config else []
             rows.append((f"adaptive (0..{max(args.chains)})", [*eagle, "--speculative-num-steps",
                          str(max(args.chains)), *mode, *shlex.split(args.adaptive_flags)]))
     return rows

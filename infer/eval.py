@@ -139,7 +139,8 @@ def evaluate_engine(target: str, draft: str, prompts, shapes, max_new_tokens: in
     results = {}
     for s, k, n in shapes:
         t0 = time.perf_counter()
-        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": s, "eagle_topk": k,
+        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": s,
+                "adaptive": False, "eagle_topk": k,
                 "num_draft_tokens": n, "quantization": draft_quantization}
         need = longest + max_new_tokens + 1
         args = {"max_num_seqs": len(prompts), "max_model_len": min(need, limit), **engine_args}

@@ -71,10 +71,10 @@ def engine_demo(target: Path, head: Path, max_tokens: int = 96) -> int:
     outs, rows = {}, []
     for label, spec in (("plain decoding", None),
                         ("EAGLE-3 chain, 3 steps", {"method": "eagle3", "model": str(head),
-                                                    "num_speculative_tokens": 3}),
+                                                    "num_speculative_tokens": 3, "adaptive": False}),
                         ("EAGLE-3 tree, 5 steps, top-8, 32 nodes", {"method": "eagle3", "model": str(head),
                                                                     "num_speculative_tokens": 5, "eagle_topk": 8,
-                                                                    "num_draft_tokens": 32})):
+                                                                    "num_draft_tokens": 32, "adaptive": False})):
         # no prefix caching: the timed run repeats the warm-up's prompt, and should pay its prefill as a user does
         llm = LLM(str(target), speculative_config=spec, max_num_seqs=4, enable_prefix_caching=False)
         ids = encode_prompt(llm.tokenizer, PROMPT)

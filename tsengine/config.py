@@ -91,10 +91,12 @@ class SpeculativeConfig(_Strict):
         "EAGLE3 head weights: none (as loaded), bf16 (rounded to bfloat16, fp32 math: half the bytes each "
         "draft step reads) or int8 (per-row symmetric: a quarter); bf16 and int8 are CPU fp32 only; drafts "
         "may differ, outputs cannot"))
-    adaptive: bool = Field(False, description=(
+    # None: on for EAGLE3 (`checked`), so that speculation never costs by default (issue 43): at 16 requests a
+    # fixed chain runs well below plain decoding (docs/benchmarks.md). The shape flags bound its choices.
+    adaptive: bool | None = Field(None, description=(
         "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
         "lookup or none) and the configured tree, from the measured acceptance and step cost "
-        "(tsengine/speculative/adaptive/policy.py)"))
+        "(tsengine/speculative/adaptive/policy.py); default: on for EAGLE3; off pins the configured shape"))
 
     @property
     def rule(self) -> str:
@@ -124,7 +126,10 @@ class SpeculativeConfig(_Strict):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             problems.append(f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}")
         fail_if(problems, "invalid speculative decoding settings")
-        return self if n is not None else self.model_copy(update={"num_draft_tokens": s + 1})
+        update = {"num_draft_tokens": s + 1} if n is None else {}
+        if self.adaptive is None:
+            update["adaptive"] = self.algorithm == "EAGLE3"
+        return self.model_copy(update=update) if update else self
 
     @staticmethod
     def resolve(algorithm: str | None = None, draft_model_path: str | None = None, num_steps: int | None = None,
@@ -140,7 +145,8 @@ class SpeculativeConfig(_Strict):
         rules = {"speculative_sampling": speculative_sampling, "tree_sampling": tree_sampling, "adaptive": adaptive,
                  "draft_model_quantization": draft_model_quantization}
         rules = {k: v for k, v in rules.items() if v is not None}
-        asked = {k for k, v in rules.items() if v not in (False, "gumbel", "none")}  # the defaults ask for nothing
+        # the defaults ask for nothing, nor does pinning the shape (adaptive False)
+        asked = {k for k, v in rules.items() if v not in (False, "gumbel", "none")}
         merged = dict(flags)
         if config_json is not None:
             if isinstance(config_json, str):

@@ -29,7 +29,7 @@ def spec_for(method: str, head) -> dict | None:
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(head), "num_speculative_tokens": 3}
     return spec | ({"eagle_topk": 2, "num_draft_tokens": 6} if method == "tree" else {})
 
 

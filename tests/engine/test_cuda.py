@@ -31,7 +31,8 @@ def test_triton_backend_equals_torch_backend_fp32(tiny_dirs):
 @pytest.mark.parametrize("shape", [(3, 1, 4), (3, 2, 6)])
 def test_speculation_is_lossless_on_gpu(tiny_dirs, heads, dtype, shape):
     steps, topk, nodes = shape
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": steps, "eagle_topk": topk,
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": steps,
+            "adaptive": False, "eagle_topk": topk,
             "num_draft_tokens": nodes}
     plain = _tokens(tiny_dirs, dtype=dtype, attention_backend="triton")
     assert _tokens(tiny_dirs, spec, dtype=dtype, attention_backend="triton") == plain

@@ -149,11 +149,11 @@ def test_random_workload_with_preemption_keeps_outputs_and_blocks(tiny_dirs, hea
 
 # ---- validation --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, msg", [
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "num_draft_tokens": 5},
+    ({"method": "eagle3", "adaptive": False, "model": "x", "num_speculative_tokens": 3, "num_draft_tokens": 5},
      "must equal speculative_num_steps + 1 = 4"),
     ({"method": "medusa", "model": "x"}, "not supported"),
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 11}, "num_steps"),
-    ({"method": "eagle3", "model": "x", "colour": 1}, "'colour' is unknown"),
+    ({"method": "eagle3", "adaptive": False, "model": "x", "num_speculative_tokens": 11}, "num_steps"),
+    ({"method": "eagle3", "adaptive": False, "model": "x", "colour": 1}, "'colour' is unknown"),
     ({"method": "eagle3"}, "needs a draft model"),
 ])
 def test_speculative_config_errors(tiny_dirs, spec, msg):
@@ -191,7 +191,8 @@ def test_speculation_runs_up_to_max_model_len(tiny_dirs, heads, shape):
     prompt, limit = PROMPTS[2], len(PROMPTS[2]) + 9
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     plain = make_llm(tiny_dirs, max_model_len=limit).generate([prompt], params)[0].outputs[0]
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": s, "eagle_topk": k,
+    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": s,
+            "adaptive": False, "eagle_topk": k,
             "num_draft_tokens": n}
     llm = LLM(str(tiny_dirs["llama"]), speculative_config=spec, debug_checks=True, block_size=4, max_model_len=limit)
     out = llm.generate([prompt], params)[0].outputs[0]

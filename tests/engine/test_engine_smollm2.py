@@ -27,7 +27,7 @@ def engines(smollm2, tmp_path_factory):
     head_dir = save_head(head, tmp_path_factory.mktemp("smol-head"))
     kw = dict(debug_checks=True, max_model_len=512, max_num_batched_tokens=24)
     plain = LLM(str(path), **kw)
-    spec = LLM(str(path), speculative_config={"method": "eagle3", "model": str(head_dir),
+    spec = LLM(str(path), speculative_config={"method": "eagle3", "adaptive": False, "model": str(head_dir),
                                               "num_speculative_tokens": 3}, **kw)
     return hf, tok, plain, spec
 

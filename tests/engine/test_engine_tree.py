@@ -28,7 +28,7 @@ def make_llm(tiny_dirs, kind="llama", head=None, shape=(3, 2, 6), **kw):
     spec = None
     if head:
         s, k, n = shape
-        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": s, "eagle_topk": k,
+        spec = {"method": "eagle3", "adaptive": False, "model": str(head), "num_speculative_tokens": s, "eagle_topk": k,
                 "num_draft_tokens": n}
     return LLM(str(tiny_dirs[kind]), speculative_config=spec, **kw)
 
@@ -235,7 +235,7 @@ def test_support_check_lists_every_blocker(tiny_dirs, tiny_models, tmp_path):
     from tsengine.eagle3.format import save_head
 
     small = save_head(random_head(tiny_models["llama"][0], seed=1, draft_vocab_size=8), tmp_path / "small")
-    spec = {"method": "eagle3", "model": str(small), "num_speculative_tokens": 3, "eagle_topk": 16,
+    spec = {"method": "eagle3", "adaptive": False, "model": str(small), "num_speculative_tokens": 3, "eagle_topk": 16,
             "num_draft_tokens": 40, "enable_speculative_sampling": True}
     with pytest.raises(UserError, match=re.escape("every blocker")) as e:
         LLM(str(tiny_dirs["llama"]), speculative_config=spec, attention_backend="triton")

@@ -12,7 +12,8 @@ PROMPTS = [[5, 17, 33, 2, 9, 100, 41, 7, 8, 9, 10], [7, 8, 9], list(range(40, 75
 
 def make_llm(tiny_dirs, kind="llama", head=None, steps=3, **kw):
     kw = {"debug_checks": True, "block_size": 4, "max_num_batched_tokens": 16, **kw}
-    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": steps} if head else None
+    spec = {"method": "eagle3", "model": str(head),
+            "adaptive": False, "num_speculative_tokens": steps} if head else None
     return LLM(str(tiny_dirs[kind]), speculative_config=spec, **kw)
 
 

@@ -39,8 +39,8 @@ def _tokens(llm, params) -> list[list[int]]:
 def test_compiled_steps_equal_eager_steps(tiny_dirs, heads, method):
     """Greedy and seeded sampling, a mixed batch with chunked prefill: compiled == eager token for token, and
     the compiled engine really ran its decode/verify steps through graphs."""
-    spec = {"chain": {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3},
-            "tree": {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3,
+    spec = {"chain": {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3},
+            "tree": {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3,
                      "eagle_topk": 2, "num_draft_tokens": 6},
             "ngram": {"method": "ngram", "num_speculative_tokens": 3}}.get(method)
     params = [GREEDY, SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=7)] * 2
@@ -86,7 +86,7 @@ def test_padding_rows_never_change_a_real_row(tiny_dirs):
 def test_the_head_extension_graph_equals_eager_and_pads_into_scratch(tiny_dirs, heads):
     """Runs of 1, 3 and 2 committed rows padded to a window of 4 and a batch of 4: the head's outputs equal
     its eager layer's, its KV writes too, and no draft slot changes but theirs and the scratch block's."""
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
     eagle = _llm(tiny_dirs, False, spec).engine.proposer
     eagle.graphs.extends = True  # opt-in (TSENGINE_EXTEND_GRAPHS=1)
     eagle.graphs.heat = Heat(after=1)  # compiled on first sight
@@ -120,7 +120,7 @@ def test_engines_of_one_shape_each_run_their_own_weights(tiny_dirs, heads, tmp_p
     config = json.loads((other / "config.json").read_text())  # a constant the graph bakes in, not a tensor:
     config["rms_norm_eps"] = 0.5  # a graph reused across engines would run the other engine's value
     (other / "config.json").write_text(json.dumps(config))
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
 
     def llm(path, eager):
         return LLM(str(path), speculative_config=spec, enforce_eager=eager, debug_checks=True, block_size=4,
@@ -196,7 +196,7 @@ def test_random_workload_compiled_with_preemption(tiny_dirs, heads):
           for i, (t, m) in enumerate([(0, 30), (0.9, 25), (0, 12), (1.0, 30)])]
     alone = [_llm(tiny_dirs, True, max_model_len=64).generate([p], [s])[0].outputs[0].token_ids
              for p, s in zip(PROMPTS, sp)]
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
     e = _llm(tiny_dirs, False, spec, num_kv_blocks=24, max_num_seqs=4, max_model_len=64).engine
     got, aborted, preempted = random_workload(e, PROMPTS, sp, seed=1, abort_rate=0.02)
     assert preempted, "the workload never ran out of blocks"
@@ -257,7 +257,7 @@ def test_the_draft_graph_extends_and_chains_as_eager_does(tiny_dirs, heads):
     """A greedy step's one draft graph (the extension, then the whole chain: `DraftGraphs.extend_and_chain`)
     over runs of 1, 3 and 2 committed rows padded to a window of 4 and a batch of 4: the drafts equal the eager
     extension's and chain's, the KV writes too, and no draft slot changes but theirs and the scratch block's."""
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
     eagle = _llm(tiny_dirs, False, spec).engine.proposer
     eagle.graphs.heat = Heat(after=1)  # compiled on first sight
     k_cache, v_cache = eagle.kv

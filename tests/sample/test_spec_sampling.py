@@ -186,7 +186,7 @@ def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models
     """20,000 seeds, one prompt: the joint of the first three tokens (t1 from the prefill's plain draw, t2
     and t3 from verification, accepted drafts or residual/bonus draws) passes χ² against HF's exact joint."""
     extra, oracle = RULES[rule]
-    spec = {"method": "eagle3", "model": str(heads["llama"]), **extra}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), **extra}
     llm = make_llm(tiny_dirs, spec, block_size=16, max_num_seqs=512, max_num_batched_tokens=4096)
     exact = Exact(tiny_models["llama"][0])
     if oracle is not None:
@@ -208,7 +208,7 @@ def test_engine_first_tokens_match_the_exact_distribution(tiny_dirs, tiny_models
 def test_rules_keep_greedy_exact_and_seeds_reproducible(tiny_dirs, heads, extra):
     """In a mixed batch, greedy rows under either rule equal plain greedy decoding token for token, and a
     seeded sampled request returns the same tokens when run again in another batch."""
-    spec = {"method": "eagle3", "model": str(heads["llama"]), **extra}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), **extra}
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=s) for s in (3, 4)]
     plain = make_llm(tiny_dirs, None, block_size=4).generate(PROMPTS, greedy)
@@ -221,11 +221,12 @@ def test_rules_keep_greedy_exact_and_seeds_reproducible(tiny_dirs, heads, extra)
 
 def test_speculative_sampling_blockers(tiny_dirs, heads):
     """Rejection sampling is a chain rule with a recorded q (not NGRAM, not a tree); multiround is the tree's."""
-    cases = [({"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2, "eagle_topk": 2,
+    cases = [({"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2,
+               "adaptive": False, "eagle_topk": 2,
                "num_draft_tokens": 5, "enable_speculative_sampling": True}, ["use --spec-tree-sampling multiround"]),
              ({"method": "ngram", "num_speculative_tokens": 2, "enable_speculative_sampling": True},
               ["NGRAM drafts have none"]),
-             ({"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2,
+             ({"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 2,
                "tree_sampling": "multiround"},
               ["a chain (speculative_eagle_topk 1) uses --enable-speculative-sampling"])]
     for spec, msgs in cases:
@@ -240,14 +241,16 @@ def test_rule_flags_resolve_and_conflict():
 
     cfg = SpeculativeConfig.resolve("EAGLE3", "/h", 3, speculative_sampling=True)
     assert cfg.rule == "rejection"
-    assert SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h", "num_speculative_tokens": 3,
+    assert SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h",
+                                                  "adaptive": False, "num_speculative_tokens": 3,
                                                   "topk": 2, "num_draft_tokens": 6,
                                                   "tree_sampling": "multiround"}).rule == "multiround"
     with pytest.raises(UserError, match="without speculative decoding"):
         SpeculativeConfig.resolve(speculative_sampling=True)
     assert SpeculativeConfig.resolve(speculative_sampling=False, tree_sampling="gumbel") is None  # defaults: no-ops
     with pytest.raises(UserError, match="conflicts with the flag for tree_sampling"):
-        SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h", "tree_sampling": "gumbel"},
+        SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h",
+                                               "adaptive": False, "tree_sampling": "gumbel"},
                                   tree_sampling="multiround")
     with pytest.raises(UserError, match="tree_sampling"):
         SpeculativeConfig.resolve("EAGLE3", "/h", 3, tree_sampling="beam")
@@ -256,7 +259,7 @@ def test_rule_flags_resolve_and_conflict():
 def test_recorded_q_memory_is_accounted(tiny_dirs, heads, caplog):
     """Rejection sampling reserves max_num_seqs x steps x (draft vocab + vocab) x 4 bytes before the KV
     cache is sized, and says so at startup."""
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 2,
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 2,
             "enable_speculative_sampling": True}
     with caplog.at_level("INFO", logger="tsengine"):
         llm = make_llm(tiny_dirs, spec, max_num_seqs=8, kv_cache_memory=4 << 20)

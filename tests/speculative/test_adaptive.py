@@ -134,6 +134,36 @@ def test_config_forms():
         SpeculativeConfig.resolve(algorithm="NGRAM", adaptive=True)
 
 
+def test_adaptive_is_the_default_for_a_head_unless_pinned():
+    """Issue 43: a configured head is adaptive unless the user pins the shape (`adaptive` false, or
+    --no-speculative-adaptive); prompt lookup alone stays fixed."""
+    import argparse
+
+    from tsengine.entrypoints.engine_args import add_engine_args, engine_config
+
+    assert SpeculativeConfig.resolve(algorithm="EAGLE3", draft_model_path="HEAD", num_steps=3).adaptive is True
+    assert SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "HEAD",
+                                                  "num_speculative_tokens": 3}).adaptive is True
+    assert SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "HEAD", "adaptive": False}).adaptive \
+        is False
+    assert SpeculativeConfig.resolve(algorithm="NGRAM").adaptive is False
+    assert SpeculativeConfig.resolve(adaptive=False) is None  # pinning alone asks for no speculation
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    head = ["--model", "M", "--speculative-algorithm", "eagle3", "--speculative-draft-model-path", "HEAD"]
+    assert engine_config(p.parse_args(head)).speculative.adaptive is True
+    assert engine_config(p.parse_args([*head, "--no-speculative-adaptive"])).speculative.adaptive is False
+
+
+def test_the_default_engine_with_a_head_runs_the_adaptive_proposer(tiny_dirs, heads):
+    llm = LLM(str(tiny_dirs["llama"]), speculative_config={"method": "eagle3", "model": str(heads["llama"]),
+                                                           "num_speculative_tokens": 3})
+    assert isinstance(llm.engine.proposer, AdaptiveProposer)
+    pinned = LLM(str(tiny_dirs["llama"]), speculative_config={"method": "eagle3", "model": str(heads["llama"]),
+                                                              "num_speculative_tokens": 3, "adaptive": False})
+    assert not isinstance(pinned.engine.proposer, AdaptiveProposer)
+
+
 class RecordingHead:
     """Stands for the EAGLE-3 proposer: records the runs (and their features) it was asked to extend over."""
 

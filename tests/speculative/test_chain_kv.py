@@ -10,7 +10,7 @@ from tsengine.model.context import Context
 
 
 def _proposer(tiny_dirs, heads):
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
     return LLM(str(tiny_dirs["llama"]), speculative_config=spec, enforce_eager=True, block_size=4).engine.proposer
 
 

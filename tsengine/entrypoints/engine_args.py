@@ -87,8 +87,8 @@ def _add(p, flag: str, field: FieldInfo, **overrides) -> None:
         kw["required"] = True
     else:
         kw["default"] = field.default
-    if kind is bool:  # on by default: --flag / --no-flag (vLLM's --no-enable-prefix-caching)
-        kw["action"] = argparse.BooleanOptionalAction if field.default is True else "store_true"
+    if kind is bool:  # on (or decided) by default: --flag / --no-flag (vLLM's --no-enable-prefix-caching)
+        kw["action"] = argparse.BooleanOptionalAction if field.default is not False else "store_true"
     else:
         kw["type"] = _bounded(kind, field)
         if choices:

@@ -59,22 +59,22 @@ def candidates(draft: str | None, steps: int, trees: list[tuple[int, int, int]],
     if draft:
         eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft]
         for k in range(1, steps + 1):
-            out.append(Candidate(f"chain {k}", [*eagle, "--speculative-num-steps", str(k)],
-                                 {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": k}))
+            out.append(Candidate(f"chain {k}", [*eagle, "--speculative-num-steps", str(k), "--no-speculative-adaptive"],
+                                 {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": k, "adaptive": False}))
         for s, k, n in trees:
             out.append(Candidate(f"tree {s}x{k}x{n}", [*eagle, "--speculative-num-steps", str(s),
                                                         "--speculative-eagle-topk", str(k),
-                                                        "--speculative-num-draft-tokens", str(n)],
+                                                        "--speculative-num-draft-tokens", str(n),
+                                                        "--no-speculative-adaptive"],
                                  {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": s, "eagle_topk": k,
-                                  "num_draft_tokens": n}))
+                                  "num_draft_tokens": n, "adaptive": False}))
         # adaptive chooses among plain, NGRAM, chains 1..S and the largest tree (S: that tree's depth)
         tree = max(trees, key=lambda t: t[2]) if trees else None
         depth = tree[0] if tree else steps
         shape = {"eagle_topk": tree[1], "num_draft_tokens": tree[2]} if tree else {}
         tree_flags = [] if tree is None else ["--speculative-eagle-topk", str(tree[1]),
                                               "--speculative-num-draft-tokens", str(tree[2])]
-        out.append(Candidate(f"adaptive 0..{depth}", [*eagle, "--speculative-num-steps", str(depth), *tree_flags,
-                                                      "--speculative-adaptive"],
+        out.append(Candidate(f"adaptive 0..{depth}", [*eagle, "--speculative-num-steps", str(depth), *tree_flags],
                              {"algorithm": "EAGLE3", "draft_model_path": draft, "num_steps": depth, "adaptive": True,
                               **shape}))
     if draft_quantization != "none":

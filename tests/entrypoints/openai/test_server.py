@@ -33,7 +33,7 @@ def head_dir(heads):
 
 
 def spec_json(head_dir) -> dict:
-    return {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
+    return {"method": "eagle3", "adaptive": False, "model": str(head_dir), "num_speculative_tokens": 3}
 
 
 @pytest.fixture(scope="module")

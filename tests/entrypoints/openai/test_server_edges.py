@@ -28,7 +28,7 @@ LIMITS = dict(default_max_tokens=6, max_queue_len=4, header_timeout_s=2.0, body_
 
 @pytest.fixture(scope="module")
 def server(tiny_dirs, heads):
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
     config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4, max_num_seqs=4,
                                speculative=SpeculativeConfig.resolve(config_json=spec))
     with serving(config, MODEL, KEY, **LIMITS) as s:

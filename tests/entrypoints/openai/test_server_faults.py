@@ -31,7 +31,7 @@ def head_dir(heads):
 
 
 def config(tiny_dirs, head_dir, **kw) -> EngineConfig:
-    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(head_dir), "num_speculative_tokens": 3}
     return EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4, debug_checks=True,
                              max_num_seqs=4, speculative=SpeculativeConfig.resolve(config_json=spec), **kw)
 

@@ -26,7 +26,7 @@ BUDGET = settings(max_examples=40, deadline=None, derandomize=True, database=Non
 
 @pytest.fixture(scope="module")
 def fuzzed(tiny_dirs, heads):
-    spec = {"method": "eagle3", "model": str(heads["llama"]), "num_speculative_tokens": 3}
+    spec = {"method": "eagle3", "adaptive": False, "model": str(heads["llama"]), "num_speculative_tokens": 3}
     config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=96, block_size=4, max_num_seqs=4,
                                speculative=SpeculativeConfig.resolve(config_json=spec))
     with serving(config, MODEL, KEY, default_max_tokens=4, max_queue_len=4) as s:

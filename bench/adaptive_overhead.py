@@ -1,0 +1,85 @@
+"""What an adaptive engine pays over plain decoding on the steps where it decodes plainly (issue 43: adaptive
+speculation is the default with a head, so its plain steps must run at plain decoding's speed).
+
+In one process, side by side, the same requests (built-in validation prompts, greedy, EOS ignored) at each
+batch size:
+
+    python bench/adaptive_overhead.py --draft DIR [--batches 4,16 --max-tokens 96 --repeats 3 --profile]
+
+Rows: `plain` (no head), `adaptive, forced plain` (the default adaptive engine whose policy is replaced by
+one that always answers plain: every step pays the adaptive machinery and decodes plainly) and `adaptive`
+(the policy deciding). Reports output tok/s (median of the repeats, rows interleaved per repeat) and the
+ratio to plain. `--profile` prints the forced-plain row's top functions by own time (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+from engine_speed import val_prompts
+
+
+def forced_plain(llm) -> None:
+    from tsengine.speculative.adaptive.policy import Arm, Plan
+
+    llm.engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(0), ["plain"] * len(stats))
+
+
+def run(llm, prompts, params) -> float:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    from tsengine.entrypoints.llm import LLM
+    from tsengine.model.compile_worker import WORKER
+    from tsengine.sampling_params import SamplingParams
+    from tsengine.targets import resolve
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--batches", default="4,16")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    path = str(resolve(args.target))
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.steps}  # adaptive: the default
+    for batch in (int(b) for b in args.batches.split(",")):
+        kw = dict(max_num_seqs=batch, enable_prefix_caching=False)
+        rows = {"plain": LLM(path, **kw), "adaptive, forced plain": LLM(path, speculative_config=spec, **kw),
+                "adaptive": LLM(path, speculative_config=spec, **kw)}
+        forced_plain(rows["adaptive, forced plain"])
+        prompts = val_prompts(rows["plain"].tokenizer, batch)
+        for llm in rows.values():  # warm-up: every graph the timed runs need, compiled before the clock
+            for _ in range(2):
+                llm.generate(prompts, params, use_tqdm=False)
+                WORKER.wait()
+        speeds = {name: [] for name in rows}
+        for _ in range(args.repeats):
+            for name, llm in rows.items():
+                speeds[name].append(run(llm, prompts, params))
+        plain = statistics.median(speeds["plain"])
+        for name, s in speeds.items():
+            med = statistics.median(s)
+            print(f"batch {batch:3d} | {name:24s} | {med:7.1f} tok/s | {med / plain:.3f}x plain | "
+                  f"runs {' '.join(f'{x:.1f}' for x in s)}", flush=True)
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            run(rows["adaptive, forced plain"], prompts, params)
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        del rows
+
+
+if __name__ == "__main__":
+    main()
