@@ -19,6 +19,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from collections import Counter, defaultdict
 
 from engine_speed import val_prompts
 
@@ -27,6 +28,42 @@ def forced_plain(llm) -> None:
     from tsengine.speculative.adaptive.policy import Arm, Plan
 
     llm.engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(0), ["plain"] * len(stats))
+
+
+def traced(llm) -> dict:
+    """Per kind of step the adaptive engine ran (the plan chosen the step before): [steps, eager steps, seconds]."""
+    engine, trace = llm.engine, defaultdict(lambda: [0, 0, 0.0])
+    step, forward = engine.step, engine.runner.run
+    graph = [False]
+
+    def run(batch):
+        out = forward(batch)
+        graph[0] = out.graph
+        return out
+
+    def timed():
+        last = engine.proposer.policy.last
+        kind = last.kind + (" (explored)" if last.explored else "")
+        t0 = time.perf_counter()
+        out = step()
+        row = trace[kind]
+        row[0] += 1
+        row[1] += not graph[0]
+        row[2] += time.perf_counter() - t0
+        return out
+
+    proposer = engine.proposer
+    catch_up = proposer._catch_up
+
+    def caught_up(runs):  # the head's catch-up over rows kept while it did not draft: rows and seconds
+        rows = sum(c.seq.spec_stats.backlog.rows for c in runs)
+        seconds = catch_up(runs)
+        row = trace["  head catch-up (rows in column 2)"]
+        row[0], row[1], row[2] = row[0] + 1, row[1] + rows, row[2] + seconds
+        return seconds
+
+    engine.step, engine.runner.run, proposer._catch_up = timed, run, caught_up
+    return trace
 
 
 def run(llm, prompts, params) -> float:
@@ -64,9 +101,19 @@ def main() -> None:
                 llm.generate(prompts, params, use_tqdm=False)
                 WORKER.wait()
         speeds = {name: [] for name in rows}
+        policy = rows["adaptive"].engine.proposer.policy
+        chosen, compiled = Counter(policy.chosen), WORKER.compiled
+        trace = traced(rows["adaptive"])
         for _ in range(args.repeats):
             for name, llm in rows.items():
                 speeds[name].append(run(llm, prompts, params))
+        steps = Counter(policy.chosen)
+        steps.subtract(chosen)
+        print(f"batch {batch:3d} | adaptive's steps in the timed runs: {dict(+steps)}; graphs compiled meanwhile: "
+              f"{WORKER.compiled - compiled}", flush=True)
+        for kind, (n, eager, seconds) in sorted(trace.items()):
+            print(f"batch {batch:3d} | adaptive {kind:25s}: {n:4d} steps, {eager:3d} eager, "
+                  f"{seconds / n * 1e3:7.1f} ms per step", flush=True)
         plain = statistics.median(speeds["plain"])
         for name, s in speeds.items():
             med = statistics.median(s)

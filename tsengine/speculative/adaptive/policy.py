@@ -20,6 +20,7 @@ Lossless by construction: whatever is chosen, the target verifies it, so the out
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class Plan:
     sources: list[str]
     tokens_per_s: float = 0.0  # predicted, corrected by what the arm delivered (`Correction`)
     raw_tokens_per_s: float = 0.0  # predicted by the lines alone
+    explored: bool = False  # chosen to explore (or the warm-up), not as the predicted best
 
     @property
     def eagle(self) -> list[bool]:
@@ -111,6 +113,11 @@ class AdaptivePolicy:
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
         self.one_row = RunningMean()
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
+        # (arm, batch) -> whether its last uniform decode step ran through a compiled graph. A shape compiles
+        # only once hot (tsengine/model/graphs.py `Heat`), so an arm chosen now and then (a chain at 16
+        # requests) runs eagerly every time it is chosen: priced as a graph step, such steps cost the adaptive
+        # server several plain steps each (docs/benchmarks.md, "Adaptive speculation by default").
+        self.graph_ran: dict[tuple[Arm, int], bool] = {}
         # the head's time (extension + drafting), learned from steps that draft from it (no other step does
         # head work); prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
@@ -154,6 +161,8 @@ class AdaptivePolicy:
                                         proposal.target_seconds)
             last = self.last
             mixed = 0 < last.sources.count("plain") < len(last.sources)
+            if last.sources and not mixed:
+                self.graph_ran[last.arm, len(last.sources)] = proposal.graph
             # a step whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`): its cost is the
             # line's eager term, not what its arm delivers once chosen, so the arm's correction skips it
             cold = self.graphs_seen and not proposal.graph and not mixed
@@ -193,12 +202,20 @@ class AdaptivePolicy:
             return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
         return arm.steps, heads * arm.steps
 
-    def _target_seconds(self, chain_rows: int, tree_rows: int, mixed: bool = False) -> float:
-        """The target's step: the one-row step's own mean, else the line (a mixed step runs eagerly)."""
+    def _target_seconds(self, chain_rows: int, tree_rows: int, mixed: bool = False, cold: bool = False) -> float:
+        """The target's step: the one-row step's own mean, else the line (a mixed step runs eagerly, and so
+        does a step whose graph is `cold`)."""
         if chain_rows + tree_rows == 1 and self.one_row.value is not None:
             return self.one_row.value
-        eager = mixed or not self.graphs_seen
+        eager = mixed or cold or not self.graphs_seen
         return self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
+
+    def cold(self, arm: Arm, batch: int) -> bool:
+        """The arm's step at this batch would run eagerly: its last one did, or it has not run (a first step
+        is never compiled); plain decoding, nearly always chosen, is taken to be compiled until seen not to be.
+        A shape runs as a graph again once chosen often enough to compile: an arm that wins even eagerly
+        gets there (at one request, chains); one that wins only as a graph, run once in a while, does not."""
+        return not self.graph_ran.get((arm, batch), arm.steps == 0)
 
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
                 mixed: bool = False) -> float:
@@ -206,7 +223,8 @@ class AdaptivePolicy:
         if some decode plainly while others verify. The head's time: its extension over the drafting
         requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
         (it extends over a request's rows only when it drafts for it: `adaptive_proposer.Backlog`)."""
-        seconds = self._target_seconds(chain_rows, tree_rows, mixed) + self.overhead_cost.predict([1.0, batch])
+        seconds = (self._target_seconds(chain_rows, tree_rows, mixed, self.cold(arm, batch))
+                   + self.overhead_cost.predict([1.0, batch]))
         if heads:
             seconds += self.draft_cost.predict([1.0, tokens * heads / batch, *self._draft_work(arm, heads)])
         return tokens / max(seconds, 1e-9)
@@ -340,7 +358,7 @@ class AdaptivePolicy:
         batch = len(stats)
         if self.decisions <= len(self.arms):  # warm-up: every arm once, so every cost term is seen
             arm = self.arms[self.decisions - 1]
-            return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch)
+            return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
         plans = self.candidates(stats, found)
         best = self._best(plans)
@@ -351,10 +369,10 @@ class AdaptivePolicy:
             return best
         near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]
         if near:
-            return self._rng.choice(near)
+            return dataclasses.replace(self._rng.choice(near), explored=True)
         k = best.arm.steps if not best.arm.is_tree else self.steps
         k = self._rng.choice([x for x in (k - 1, k + 1) if 0 <= x <= self.steps])
-        return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats])
+        return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats], explored=True)
 
     def describe(self) -> str:
         """The periodic log line's part: estimates and what was chosen."""
