@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--ngram", action="store_true", help="add an NGRAM row with max(--chains) steps")
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive server (with --draft)")
     ap.add_argument("--adaptive-config", help="JSON for the adaptive server's --speculative-config "
-                    "(instead of --speculative-adaptive; keys it shares with the row's flags must agree)")
+                    "(instead of the default flags; keys it shares with the row's flags must agree)")
     ap.add_argument("--adaptive-flags", default="", help="extra flags for the adaptive server (one string)")
     ap.add_argument("--kv-cache-memory", type=int, default=10**9,
                     help="KV cache bytes per server (1 GB holds 64 requests of ~300 tokens; with 2 GB, five "
