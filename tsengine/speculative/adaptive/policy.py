@@ -7,7 +7,8 @@ docs/design/adaptive.md. In short:
   lookup or not at all, whichever its own record says commits more (not at all: plainly, or padded to keep
   the step uniform, `PAD`); the configured tree (and a small one).
 - Prediction: tokens (counted by the time they save where a batch ends together, `_worth_ratio`) over
-  seconds (the target's step from a fitted line, the head's extension and drafting, the rest of the step),
+  seconds (the target's step from a fitted line, eager where the arm's shape has not run as a graph at this
+  batch, the head's extension and drafting, the rest of the step),
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests that started
   together with none queued: speculation must be predicted `MARGIN` faster than plain.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
