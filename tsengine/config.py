@@ -91,8 +91,8 @@ class SpeculativeConfig(_Strict):
         "EAGLE3 head weights: none (as loaded), bf16 (rounded to bfloat16, fp32 math: half the bytes each "
         "draft step reads) or int8 (per-row symmetric: a quarter); bf16 and int8 are CPU fp32 only; drafts "
         "may differ, outputs cannot"))
-    # None: on for EAGLE3 (`checked`), so that speculation never costs by default (issue 43): at 16 requests a
-    # fixed chain runs well below plain decoding (docs/benchmarks.md). The shape flags bound its choices.
+    # None: on for EAGLE3 (`checked`), so that speculation costs little by default (issue 43): a fixed chain of 3
+    # ran at 0.62-0.78x plain decoding at 16-64 requests (docs/benchmarks.md). The shape flags bound its choices.
     adaptive: bool | None = Field(None, description=(
         "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
         "lookup or none) and the configured tree, from the measured acceptance and step cost "
