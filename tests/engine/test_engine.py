@@ -149,11 +149,11 @@ def test_random_workload_with_preemption_keeps_outputs_and_blocks(tiny_dirs, hea
 
 # ---- validation --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, msg", [
-    ({"method": "eagle3", "adaptive": False, "model": "x", "num_speculative_tokens": 3, "num_draft_tokens": 5},
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "num_draft_tokens": 5},
      "must equal speculative_num_steps + 1 = 4"),
     ({"method": "medusa", "model": "x"}, "not supported"),
-    ({"method": "eagle3", "adaptive": False, "model": "x", "num_speculative_tokens": 11}, "num_steps"),
-    ({"method": "eagle3", "adaptive": False, "model": "x", "colour": 1}, "'colour' is unknown"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 11}, "num_steps"),
+    ({"method": "eagle3", "model": "x", "colour": 1}, "'colour' is unknown"),
     ({"method": "eagle3"}, "needs a draft model"),
 ])
 def test_speculative_config_errors(tiny_dirs, spec, msg):

@@ -241,16 +241,14 @@ def test_rule_flags_resolve_and_conflict():
 
     cfg = SpeculativeConfig.resolve("EAGLE3", "/h", 3, speculative_sampling=True)
     assert cfg.rule == "rejection"
-    assert SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h",
-                                                  "adaptive": False, "num_speculative_tokens": 3,
+    assert SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h", "num_speculative_tokens": 3,
                                                   "topk": 2, "num_draft_tokens": 6,
                                                   "tree_sampling": "multiround"}).rule == "multiround"
     with pytest.raises(UserError, match="without speculative decoding"):
         SpeculativeConfig.resolve(speculative_sampling=True)
     assert SpeculativeConfig.resolve(speculative_sampling=False, tree_sampling="gumbel") is None  # defaults: no-ops
     with pytest.raises(UserError, match="conflicts with the flag for tree_sampling"):
-        SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h",
-                                               "adaptive": False, "tree_sampling": "gumbel"},
+        SpeculativeConfig.resolve(config_json={"method": "eagle3", "model": "/h", "tree_sampling": "gumbel"},
                                   tree_sampling="multiround")
     with pytest.raises(UserError, match="tree_sampling"):
         SpeculativeConfig.resolve("EAGLE3", "/h", 3, tree_sampling="beam")

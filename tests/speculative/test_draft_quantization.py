@@ -106,11 +106,10 @@ def test_without_the_kernel_a_rounded_head_is_refused_by_name(tiny_dirs, heads, 
 @pytest.mark.parametrize("kw, msg", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "quantization": "int8"}},
      "speculative_draft_model_quantization int8 quantizes an EAGLE3 head; NGRAM has none"),
-    ({"speculative_config": {"method": "eagle3", "adaptive": False, "model": "x", "quantization": "int4"}},
+    ({"speculative_config": {"method": "eagle3", "model": "x", "quantization": "int4"}},
      "draft_model_quantization"),
     ({"dtype": "bfloat16"}, "speculative_draft_model_quantization int8: the CPU float32 head's format"),
-    ({"dtype": "bfloat16", "speculative_config": {"method": "eagle3", "model": "HEAD",
-                                                  "adaptive": False, "quantization": "bf16"}},
+    ({"dtype": "bfloat16", "speculative_config": {"method": "eagle3", "model": "HEAD", "quantization": "bf16"}},
      "speculative_draft_model_quantization bf16: the CPU float32 head's format"),
 ])
 def test_where_int8_cannot_run_it_is_refused_by_name(tiny_dirs, heads, kw, msg):

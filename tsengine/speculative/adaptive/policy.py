@@ -21,10 +21,9 @@ Lossless by construction: whatever is chosen, the target verifies it, so the out
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tsengine.speculative.adaptive.estimates import (
     Acceptance,
@@ -370,7 +369,7 @@ class AdaptivePolicy:
             return best
         near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]
         if near:
-            return dataclasses.replace(self._rng.choice(near), explored=True)
+            return replace(self._rng.choice(near), explored=True)
         k = best.arm.steps if not best.arm.is_tree else self.steps
         k = self._rng.choice([x for x in (k - 1, k + 1) if 0 <= x <= self.steps])
         return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats], explored=True)
