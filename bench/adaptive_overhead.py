@@ -4,12 +4,15 @@ speculation is the default with a head, so its plain steps must run at plain dec
 In one process, side by side, the same requests (built-in validation prompts, greedy, EOS ignored) at each
 batch size:
 
-    python bench/adaptive_overhead.py --draft DIR [--batches 4,16 --max-tokens 96 --repeats 3 --profile]
+    python bench/adaptive_overhead.py --draft DIR [--batches 4,16 --max-tokens 96 --repeats 3 --heat --profile]
 
 Rows: `plain` (no head), `adaptive, forced plain` (the default adaptive engine whose policy is replaced by
 one that always answers plain: every step pays the adaptive machinery and decodes plainly) and `adaptive`
 (the policy deciding). Reports output tok/s (median of the repeats, rows interleaved per repeat) and the
-ratio to plain. `--profile` prints the forced-plain row's top functions by own time (cProfile).
+ratio to plain. The adaptive row's trace gives per kind of step its steps, eager steps, time per step and
+the tokens per second it delivered against what the policy predicted (corrected) when choosing it.
+`--heat` first runs the adaptive engine once per chain length with the plan forced, so every chain shape
+at that batch is compiled, as on a server that has run a while. `--profile` prints the forced-plain row's top functions by own time (cProfile).
 """
 
 from __future__ import annotations
@@ -30,9 +33,16 @@ def forced_plain(llm) -> None:
     llm.engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(0), ["plain"] * len(stats))
 
 
+def forced_chain(llm, k: int) -> None:
+    from tsengine.speculative.adaptive.policy import Arm, Plan
+
+    llm.engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(k), ["eagle3"] * len(stats))
+
+
 def traced(llm) -> dict:
-    """Per kind of step the adaptive engine ran (the plan chosen the step before): [steps, eager steps, seconds]."""
-    engine, trace = llm.engine, defaultdict(lambda: [0, 0, 0.0])
+    """Per kind of step the adaptive engine ran (the plan chosen the step before): [steps, eager steps,
+    seconds, tokens committed, sum of predicted tokens/s]."""
+    engine, trace = llm.engine, defaultdict(lambda: [0, 0, 0.0, 0, 0.0])
     step, forward = engine.step, engine.runner.run
     graph = [False]
 
@@ -50,7 +60,17 @@ def traced(llm) -> dict:
         row[0] += 1
         row[1] += not graph[0]
         row[2] += time.perf_counter() - t0
+        row[3] += tokens[0]
+        row[4] += last.tokens_per_s
+        tokens[0] = 0
         return out
+
+    policy = engine.proposer.policy
+    learn, tokens = policy.learn, [0]
+
+    def learned(proposal):  # the tokens the step committed (its verify of the plan chosen the step before)
+        tokens[0] = proposal.tokens
+        return learn(proposal)
 
     proposer = engine.proposer
     catch_up = proposer._catch_up
@@ -62,7 +82,7 @@ def traced(llm) -> dict:
         row[0], row[1], row[2] = row[0] + 1, row[1] + rows, row[2] + seconds
         return seconds
 
-    engine.step, engine.runner.run, proposer._catch_up = timed, run, caught_up
+    engine.step, engine.runner.run, proposer._catch_up, policy.learn = timed, run, caught_up, learned
     return trace
 
 
@@ -85,6 +105,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--heat", action="store_true", help="compile every chain shape first (forced chains)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     path = str(resolve(args.target))
@@ -100,6 +121,17 @@ def main() -> None:
             for _ in range(2):
                 llm.generate(prompts, params, use_tqdm=False)
                 WORKER.wait()
+        if args.heat:
+            adaptive = rows["adaptive"].engine.proposer.policy
+            choose = adaptive.choose
+            for k in range(1, args.steps + 1):
+                forced_chain(rows["adaptive"], k)
+                for _ in range(2):
+                    rows["adaptive"].generate(prompts, params, use_tqdm=False)
+                    WORKER.wait()
+            adaptive.choose = choose
+            rows["adaptive"].generate(prompts, params, use_tqdm=False)
+            WORKER.wait()
         speeds = {name: [] for name in rows}
         policy = rows["adaptive"].engine.proposer.policy
         chosen, compiled = Counter(policy.chosen), WORKER.compiled
@@ -111,9 +143,10 @@ def main() -> None:
         steps.subtract(chosen)
         print(f"batch {batch:3d} | adaptive's steps in the timed runs: {dict(+steps)}; graphs compiled meanwhile: "
               f"{WORKER.compiled - compiled}", flush=True)
-        for kind, (n, eager, seconds) in sorted(trace.items()):
+        for kind, (n, eager, seconds, committed, predicted) in sorted(trace.items()):
+            delivered = f", {committed / seconds:6.1f} tok/s vs {predicted / n:6.1f} predicted" if committed else ""
             print(f"batch {batch:3d} | adaptive {kind:25s}: {n:4d} steps, {eager:3d} eager, "
-                  f"{seconds / n * 1e3:7.1f} ms per step", flush=True)
+                  f"{seconds / n * 1e3:7.1f} ms per step{delivered}", flush=True)
         plain = statistics.median(speeds["plain"])
         for name, s in speeds.items():
             med = statistics.median(s)

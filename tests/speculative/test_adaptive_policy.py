@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tsengine.model.graphs import HOT_AFTER
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
@@ -64,7 +65,7 @@ def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = T
             p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
     for _ in range(200):
         p.eagle.observe(3, accepted)
-    p.graph_ran = {(arm, batch): True for arm in p.arms for batch in range(1, 65)}  # every shape compiled
+    p.eager_runs = {(arm, batch): 0 for arm in p.arms for batch in range(1, 65)}  # every shape compiled
     return p
 
 
@@ -257,18 +258,23 @@ def test_the_margin_over_plain_holds_only_where_the_batch_thins_out_unrefilled()
     assert p.choose(together, [None] * 4).arm == Arm(1)
 
 
-def test_an_arm_whose_steps_run_eagerly_is_priced_as_eager():
-    """A chain of 1 wins narrowly as a compiled step. Where its steps at this batch ran eagerly (chosen too
-    rarely for its shape to compile: tsengine/model/graphs.py `Heat`), it is priced with the eager term and
-    plain decoding wins; seen compiled again, the chain is back. An arm never run is taken to run eagerly."""
+def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
+    """A chain of 1 wins narrowly as a compiled step. Never run at this batch, it is priced as the graph it
+    becomes once chosen (its first `HOT_AFTER` steps heat its shape: tsengine/model/graphs.py `Heat`), so it
+    is chosen. After `HOT_AFTER` eager steps in a row with no graph step (chosen too rarely for its shape to
+    compile), it is priced with the eager term and plain decoding wins; seen compiled again, the chain is back."""
     p = trained_policy(draft_step_seconds=0.004, accepted=1)
-    assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
-    p.last = Plan(Arm(1), ["eagle3"] * 4)
-    p.learn(Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.02, graph=False, tokens=6))
-    assert p.cold(Arm(1), 4) and not p.cold(Arm(1), 2) and not p.cold(Arm(0), 4)
+    p.eager_runs = {}
     for k in (2, 3):
-        p.graph_ran[Arm(k), 4] = False
+        p.eager_runs[Arm(k), 4] = HOT_AFTER
+    eager = Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.02, graph=False, tokens=6)
+    for _ in range(HOT_AFTER):
+        assert not p.cold(Arm(1), 4)
+        assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
+        p.last = Plan(Arm(1), ["eagle3"] * 4)
+        p.learn(eager)
+    assert p.cold(Arm(1), 4) and not p.cold(Arm(1), 2) and not p.cold(Arm(0), 4)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(0)
     p.learn(Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.012, graph=True, tokens=6))
+    assert not p.cold(Arm(1), 4)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
-    assert AdaptivePolicy(3).cold(Arm(2), 4) and not AdaptivePolicy(3).cold(Arm(0), 4)

@@ -33,6 +33,7 @@ from tsengine.speculative.adaptive.estimates import (
     PerRequest,
     RunningMean,
 )
+from tsengine.model.graphs import HOT_AFTER
 from tsengine.speculative.drafts import Proposal
 
 SMALL_TREE = (3, 2, 6)
@@ -113,11 +114,14 @@ class AdaptivePolicy:
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
         self.one_row = RunningMean()
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
-        # (arm, batch) -> whether its last uniform decode step ran through a compiled graph. A shape compiles
-        # only once hot (tsengine/model/graphs.py `Heat`), so an arm chosen now and then (a chain at 16
-        # requests) runs eagerly every time it is chosen: priced as a graph step, such steps cost the adaptive
-        # server several plain steps each (docs/benchmarks.md, "Adaptive speculation by default").
-        self.graph_ran: dict[tuple[Arm, int], bool] = {}
+        # (arm, batch) -> its uniform decode steps in a row that ran eagerly (0: its last one ran through a
+        # compiled graph). A shape compiles only once hot (tsengine/model/graphs.py `Heat`), so an arm chosen now
+        # and then (a chain at 16 requests) runs eagerly every time it is chosen: priced as a graph step, such
+        # steps cost the adaptive server several plain steps each (docs/benchmarks.md, "Adaptive speculation by
+        # default"). Priced eagerly from its first step on, an arm that wins only as a graph never got the
+        # steps that heat it: at one request the policy settled on the chain of 1 that heated first
+        # (`cold`).
+        self.eager_runs: dict[tuple[Arm, int], int] = {}
         # the head's time (extension + drafting), learned from steps that draft from it (no other step does
         # head work); prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
@@ -162,7 +166,8 @@ class AdaptivePolicy:
             last = self.last
             mixed = 0 < last.sources.count("plain") < len(last.sources)
             if last.sources and not mixed:
-                self.graph_ran[last.arm, len(last.sources)] = proposal.graph
+                key = last.arm, len(last.sources)
+                self.eager_runs[key] = 0 if proposal.graph else self.eager_runs.get(key, 0) + 1
             # a step whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`): its cost is the
             # line's eager term, not what its arm delivers once chosen, so the arm's correction skips it
             cold = self.graphs_seen and not proposal.graph and not mixed
@@ -211,11 +216,13 @@ class AdaptivePolicy:
         return self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
 
     def cold(self, arm: Arm, batch: int) -> bool:
-        """The arm's step at this batch would run eagerly: its last one did, or it has not run (a first step
-        is never compiled); plain decoding, nearly always chosen, is taken to be compiled until seen not to be.
-        A shape runs as a graph again once chosen often enough to compile: an arm that wins even eagerly
-        gets there (at one request, chains); one that wins only as a graph, run once in a while, does not."""
-        return not self.graph_ran.get((arm, batch), arm.steps == 0)
+        """The arm's step at this batch would run eagerly: its last `HOT_AFTER` steps here did, with no graph
+        step since. Fewer than that, it is priced as the graph it becomes when chosen: `HOT_AFTER` steps in a
+        row heat its shape and the graph compiles off the engine thread (tsengine/model/graphs.py), and an
+        exploration step finds it compiled later. Priced eagerly from its first step on, an arm that wins only
+        as a graph never got those steps (at one request, the chain of 1 heated first and the longer chains,
+        faster as graphs, were never chosen again)."""
+        return self.eager_runs.get((arm, batch), 0) >= HOT_AFTER
 
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
                 mixed: bool = False) -> float:
