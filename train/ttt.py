@@ -52,6 +52,6 @@ def unroll(head: Eagle3Head, embed: torch.Tensor, hidden0: torch.Tensor, input_i
         mask = ttt_mask(t, k, hidden.device)[None, None]
         o = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
                                            enable_gqa=kk.shape[1] != q.shape[1])
-        hidden = head.midlayer.finish(o, hidden)
+        hidden = head.finish(o, hidden)
         outs.append(hidden)
     return outs

@@ -129,7 +129,7 @@ MISMATCHES = {
                                             eagle_aux_hidden_state_layer_ids=None), ["[8] not in 0..7"]),
     "ids disagree": (None, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4]), ["disagrees with"]),
     "unknown key": (None, lambda c: c.update(draft_vocab=3), ["unknown keys ['draft_vocab']"]),
-    "architecture": (None, lambda c: c.update(architectures=["LlamaForCausalLM"]),
+    "architecture": (None, lambda c: c.update(architectures=["Qwen2ForCausalLM"]),
                      ["expected ['LlamaForCausalLMEagle3']"]),
     "layers": (None, lambda c: c.update(num_hidden_layers=2), ["exactly 1"]),
     "dtype": (None, lambda c: c.update(torch_dtype="int8"), ["torch_dtype is 'int8'"]),

@@ -46,6 +46,17 @@ class Eagle3Config(BaseModel):
     target_hidden_size: int = Field(gt=0)
     aux_layer_ids: tuple[int, int, int]
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Layouts other trainers write (read by tsengine/eagle3/foreign.py); tsengine trains the reference layout,
+    # all False, which is the only one the SGLang/SpecForge config format can say (`to_hf_dict`).
+    norm_before_residual: bool = False  # the residual is hidden_norm(hidden), not hidden (speculators' default)
+    norm_before_fc: bool = False  # one RMSNorm over the 3 concatenated target features before fc (`input_norm`)
+    fc_norm: bool = False  # an RMSNorm per target feature before fc (`fc_norm.0..2`)
+    norm_output: bool = False  # speculators' meaning: the state fed to the next draft step is norm(out)
+
+    @property
+    def reference_layout(self) -> bool:
+        """The EAGLE-3 reference layout (SGLang, SpecForge, the EAGLE repository): no extra norms."""
+        return not (self.norm_before_residual or self.norm_before_fc or self.fc_norm or self.norm_output)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Eagle3Config":
@@ -93,6 +104,11 @@ class Eagle3Config(BaseModel):
 
     # ---- HF config.json ------------------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
+        """The SGLang/SpecForge config.json (vLLM reads it too). Only the reference layout: a head with
+        speculators' extra norms is written in speculators' format (tsengine/eagle3/foreign.py)."""
+        if not self.reference_layout:
+            raise UserError("this head uses norms outside the EAGLE-3 reference layout; write it with "
+                            "--format speculators")
         rope = dict(self.rope_parameters)
         scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         ids = list(self.aux_layer_ids)
@@ -138,9 +154,14 @@ class Eagle3Config(BaseModel):
             problems.append(f"num_hidden_layers is {d.get('num_hidden_layers')}; an EAGLE-3 head has exactly 1")
         if d.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act is {d.get('hidden_act')!r}; allowed: 'silu'")
-        for flag in ("attention_bias", "mlp_bias", "norm_before_residual"):
+        for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag):
                 problems.append(f"{flag} is true; tsengine supports only false (the EAGLE-3 reference layout)")
+        if d.get("norm_output", True) is not True:  # SpecForge's meaning: false drops the norm before lm_head
+            problems.append("norm_output is false (no norm before lm_head); tsengine supports only true")
+        if (d.get("eagle_config") or {}).get("use_aux_hidden_state", True) is not True:
+            problems.append("eagle_config.use_aux_hidden_state is false (an EAGLE-1/2 head); EAGLE-3 heads fuse "
+                            "3 target features")
         ids = _aux_ids(d, target_num_layers, problems)
         dtype = str(d.get("torch_dtype") or d.get("dtype") or "float32").replace("torch.", "")
         heads = d.get("num_attention_heads", 0)
@@ -153,6 +174,8 @@ class Eagle3Config(BaseModel):
             draft_vocab_size=d.get("draft_vocab_size") or d.get("vocab_size"),
             target_hidden_size=d.get("target_hidden_size") or d.get("hidden_size"),
             aux_layer_ids=ids, dtype=dtype if dtype in DTYPES else "float32",
+            norm_before_residual=bool(d.get("norm_before_residual")), fc_norm=bool(d.get("fc_norm")),
+            norm_before_fc=bool(d.get("norm_before_fc")),
         )
         if dtype not in DTYPES:
             problems.append(f"torch_dtype is {dtype!r}; allowed: {', '.join(DTYPES)}")
@@ -227,7 +250,7 @@ def _known_hf_keys() -> set[str]:
 
         _KNOWN = set(LlamaConfig().to_dict()) | {
             "draft_vocab_size", "target_hidden_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
-            "norm_before_residual", "rope_theta", "rope_scaling", "torch_dtype", "dtype", "architectures",
+            "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "rope_theta", "rope_scaling", "torch_dtype", "dtype", "architectures",
             "model_type", "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id",
             "tie_word_embeddings", "use_cache", "initializer_range", "pretraining_tp", "attention_dropout",
         }

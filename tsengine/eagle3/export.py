@@ -1,10 +1,12 @@
 """Checkpoint -> the interchange format (config.json + model.safetensors) that SGLang, vLLM and tsengine load.
 
-    tsengine export CHECKPOINT --out DIR [--target T] [--dtype bfloat16]
+    tsengine export CHECKPOINT --out DIR [--target T] [--dtype bfloat16] [--format sglang|speculators]
 
-CHECKPOINT is a `checkpoints/step-N` directory or a run directory (its latest complete checkpoint). The
-checkpoint's head weights go through the same validation as a head being loaded for serving, so an
-incomplete or mismatched checkpoint is refused with every problem named, and nothing is written.
+CHECKPOINT is a `checkpoints/step-N` directory, a run directory (its latest complete checkpoint) or a head
+directory in any format tsengine loads (foreign.py). The head goes through the same validation as a head
+being loaded for serving, so an incomplete or mismatched checkpoint is refused with every problem named,
+and nothing is written. `--format sglang` (the default) writes what SGLang, SpecForge and vLLM's EAGLE
+path read; `--format speculators` what vLLM's speculators path reads (it names the target as verifier).
 
 It lives beside the head format rather than in train/ because `tsengine export` is an engine command and
 the engine imports nothing from training; so the checkpoint directory layout a head is read from (the
@@ -17,10 +19,11 @@ import json
 from pathlib import Path
 
 from tsengine.eagle3.config import Eagle3Config
-from tsengine.eagle3.format import load_head, read_tensors, save_head, validate
+from tsengine.eagle3.format import CONFIG, WEIGHTS, load_head, read_tensors, save_head, save_speculators, validate
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.errors import UserError
 
+FORMATS = ("sglang", "speculators")
 COMPLETE = "COMPLETE"  # written last into a checkpoint: a directory without it is a kill mid-save
 NEEDED = (COMPLETE, "head_config.json", "head.safetensors")
 
@@ -42,8 +45,29 @@ def find_checkpoint(path: str | Path) -> Path:
     return p
 
 
-def export_checkpoint(path: str | Path, out: str | Path, target=None, dtype: str | None = None) -> Path:
-    """Validate the checkpoint's head (and its fit to `target`, a HF config, if given), then write `out`."""
+def export_checkpoint(path: str | Path, out: str | Path, target=None, dtype: str | None = None,
+                      fmt: str = "sglang", verifier: str | None = None) -> Path:
+    """Validate the checkpoint's head (and its fit to `target`, a HF config, if given), then write `out` in
+    `fmt`. `verifier`: the target's name or path, which the speculators format records."""
+    if fmt not in FORMATS:
+        raise UserError(f"format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    if fmt == "speculators" and (target is None or verifier is None):
+        raise UserError("--format speculators needs --target: the format names the target model it drafts for")
+    head = _read(path, target)
+    if dtype is not None:
+        head.config = head.config.model_copy(update={"dtype": dtype})
+    if fmt == "speculators":
+        save_speculators(head, out, verifier, list(getattr(target, "architectures", None) or []))
+    else:
+        save_head(head, out)
+    load_head(out, target=target)  # what we wrote is what a server will accept
+    return Path(out)
+
+
+def _read(path: str | Path, target) -> Eagle3Head:
+    p = Path(path)
+    if (p / CONFIG).exists() and (p / WEIGHTS).exists():  # a head directory, in any format tsengine reads
+        return load_head(p, target=target)
     ckpt = find_checkpoint(path)
     missing = [n for n in NEEDED if not (ckpt / n).exists()]
     if missing:
@@ -59,10 +83,6 @@ def export_checkpoint(path: str | Path, out: str | Path, target=None, dtype: str
     problems = validate(cfg, tensors, target, where=str(ckpt))
     if problems:
         raise UserError("the checkpoint does not hold an exportable head:\n" + "\n".join(f"  - {p}" for p in problems))
-    if dtype is not None:
-        cfg = cfg.model_copy(update={"dtype": dtype})
     head = Eagle3Head(cfg)
     head.load_state_dict(tensors, strict=True)
-    save_head(head, out)
-    load_head(out, target=target)  # what we wrote is what a server will accept
-    return Path(out)
+    return head

@@ -1,9 +1,11 @@
 """Export, load and validate EAGLE-3 heads in the format SGLang, vLLM and SpecForge exchange.
 
 A head directory holds `config.json` (see config.py) and `model.safetensors` with exactly the keys of
-`EXPORT_KEYS` (+ an optional `embed_tokens.weight`, which some public heads carry). Loading validates
-the whole directory against the target first and refuses a mismatch with one message naming every
-offending field: a head that loads is a head the engine can run. Weights are read with safetensors only.
+`EXPORT_KEYS` (+ an optional `embed_tokens.weight`, which some public heads carry). Heads the EAGLE
+repository and vLLM's `speculators` write load too: their layouts are read into this one first
+(foreign.py). Loading validates the whole directory against the target and refuses a mismatch with one
+message naming every offending field: a head that loads is a head the engine can run. Weights are read
+with safetensors only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from tsengine.eagle3 import foreign
 from tsengine.eagle3.config import Eagle3Config
 from tsengine.eagle3.head import Eagle3Head
 from tsengine.errors import UserError
@@ -29,6 +32,13 @@ _MLP = [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
 _NORMS = [f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")]
 EXPORT_KEYS = frozenset(["fc.weight", *_ATTN, *_MLP, *_NORMS, "norm.weight", "lm_head.weight", "d2t", "t2d"])
 OPTIONAL_KEYS = frozenset(["embed_tokens.weight"])
+
+
+def head_keys(cfg: Eagle3Config) -> frozenset[str]:
+    """The tensors a head of this config holds: `EXPORT_KEYS`, and the extra norms of speculators' layouts."""
+    extra = (["input_norm.weight"] if cfg.norm_before_fc else []) + (
+        [f"fc_norm.{i}.weight" for i in range(3)] if cfg.fc_norm else [])
+    return EXPORT_KEYS | frozenset(extra)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,11 +59,14 @@ def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
         "d2t": (cfg.draft_vocab_size,),
         "t2d": (cfg.vocab_size,),
         "embed_tokens.weight": (cfg.vocab_size, h),
+        "input_norm.weight": (3 * cfg.target_hidden_size,),
+        **{f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(3)},
     }
 
 
 def save_head(head: Eagle3Head, out_dir: str | Path) -> Path:
     """Write config.json + model.safetensors; each file lands atomically (temp file, then rename)."""
+    text = json.dumps(head.config.to_hf_dict(), indent=2) + "\n"  # refuses a layout it cannot say
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = _DTYPES[head.config.dtype]
@@ -61,7 +74,19 @@ def save_head(head: Eagle3Head, out_dir: str | Path) -> Path:
                for k, v in head.exported_state_dict().items()}
     assert set(tensors) == EXPORT_KEYS, sorted(set(tensors) ^ EXPORT_KEYS)
     _atomic(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    text = json.dumps(head.config.to_hf_dict(), indent=2) + "\n"
+    _atomic(out / CONFIG, lambda p: Path(p).write_text(text))
+    return out
+
+
+def save_speculators(head: Eagle3Head, out_dir: str | Path, verifier: str, verifier_architectures: list[str]) -> Path:
+    """The head in vLLM's speculators format (foreign.py): `layers.0.*` tensors, a `speculators_config`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = _DTYPES[head.config.dtype]
+    tensors = foreign.speculators_tensors({k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
+                                           for k, v in head.exported_state_dict().items()})
+    _atomic(out / WEIGHTS, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    text = json.dumps(foreign.speculators_config(head.config, verifier, verifier_architectures), indent=2) + "\n"
     _atomic(out / CONFIG, lambda p: Path(p).write_text(text))
     return out
 
@@ -80,7 +105,10 @@ def _atomic(path: Path, write) -> None:
             os.unlink(tmp)
 
 
-def read_config(head_dir: str | Path, target_num_layers: int | None = None) -> Eagle3Config:
+def read_head(head_dir: str | Path, target_num_layers: int | None = None
+              ) -> tuple[Eagle3Config, dict[str, torch.Tensor], str]:
+    """The head's config and tensors in tsengine's terms, whichever trainer wrote it, and that format's name
+    (foreign.py). `target_num_layers` gives the default aux layers where the head names none."""
     path = Path(head_dir) / CONFIG
     if not Path(head_dir).is_dir():
         raise UserError(f"draft head directory {head_dir} does not exist")
@@ -92,13 +120,24 @@ def read_config(head_dir: str | Path, target_num_layers: int | None = None) -> E
         raise UserError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path} must hold a JSON object")
-    return Eagle3Config.from_hf_dict(raw, where=str(path), target_num_layers=target_num_layers)
+    raw, flags, tensors, fmt = foreign.normalise(raw, read_tensors(head_dir), where=str(path))
+    cfg = Eagle3Config.from_hf_dict(raw, where=str(path), target_num_layers=target_num_layers)
+    return (cfg.model_copy(update=flags) if flags else cfg), tensors, fmt
+
+
+def read_config(head_dir: str | Path, target_num_layers: int | None = None) -> Eagle3Config:
+    return read_head(head_dir, target_num_layers)[0]
 
 
 def read_tensors(head_dir: str | Path, name: str = WEIGHTS) -> dict[str, torch.Tensor]:
     """All tensors of `head_dir/name` (a training checkpoint keeps its head as head.safetensors)."""
     path = Path(head_dir) / name
     if not path.exists():
+        if (Path(head_dir) / "pytorch_model.bin").exists():  # the EAGLE repository's checkpoints
+            raise UserError(f"{Path(head_dir) / 'pytorch_model.bin'}: tsengine reads weights from safetensors "
+                            f"only (a pickle can run code); convert it once, where you trust the file: python -c "
+                            f"\"import torch, safetensors.torch as s; s.save_file(torch.load('pytorch_model.bin', "
+                            f"weights_only=True), '{WEIGHTS}')\"")
         raise UserError(f"{path} is missing: a head directory needs {CONFIG} and {WEIGHTS}")
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -111,8 +150,8 @@ def validate(cfg: Eagle3Config, tensors: dict[str, torch.Tensor], target: Any | 
              where: str = "head") -> list[str]:
     """Every way this head does not fit its own config or the target (a HF config); [] when it fits."""
     problems = []
-    keys = set(tensors)
-    missing, unexpected = EXPORT_KEYS - keys, keys - EXPORT_KEYS - OPTIONAL_KEYS
+    keys, wanted = set(tensors), head_keys(cfg)
+    missing, unexpected = wanted - keys, keys - wanted - OPTIONAL_KEYS
     if missing:
         problems.append(f"{WEIGHTS}: missing keys {sorted(missing)}")
     if unexpected:
@@ -179,8 +218,7 @@ def load_head(head_dir: str | Path, target: Any | None = None, device: str | tor
               dtype: torch.dtype | None = None, embeddings: torch.Tensor | None = None) -> Eagle3Head:
     """Validate and load a head. `target`: the target's HF config (checks fit); `embeddings`: the target's
     embedding tensor to share when the file carries none."""
-    cfg = read_config(head_dir, target_num_layers=getattr(target, "num_hidden_layers", None))
-    tensors = read_tensors(head_dir)
+    cfg, tensors, _ = read_head(head_dir, target_num_layers=getattr(target, "num_hidden_layers", None))
     problems = validate(cfg, tensors, target, where=str(head_dir))
     if problems:
         raise UserError("the draft head does not fit:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -9,9 +9,13 @@ Data flow of one draft step (EAGLE-3, as SGLang/vLLM implement it):
     out = a + mlp(post_attention_layernorm(a))     (pre-norm output: next step's h)
     logits = lm_head(norm(out)) over the draft vocab; target id = draft id + d2t[draft id]
 
+That is the reference layout, the one tsengine trains. Heads from vLLM's `speculators` trainer may add norms
+(`Eagle3Config.norm_before_fc`, `fc_norm`, `norm_before_residual`, `norm_output`), applied here so that every
+caller runs them unchanged: `project`, `midlayer.finish`, `finish` and `logits` hold them.
+
 The interface is deliberately small so the trainer (TTT unroll, its own masks) and the engine (paged
 attention) can each drive the same weights: `embed`, `project`, `rope`, `midlayer.qkv` / `midlayer.finish`
-(or `midlayer(...)` with dense attention and a KV cache), `logits`, `to_target`.
+(or `midlayer(...)` with dense attention and a KV cache), `finish`, `logits`, `to_target`.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class DraftLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm_before_residual = cfg.norm_before_residual
         # Serving only (`tsengine.model.linear.accelerate`): q/k/v as one matmul and gate/up as one, each output the
         # same bits as its own matmul's: two kernel calls instead of five, a little less drafting per step
         # (measured: docs/benchmarks-journal.md, "The served head with fused projections, on a faster machine").
@@ -100,7 +105,8 @@ class DraftLayer(nn.Module):
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """attention output [B, nh, T, d] + residual `hidden` -> the layer's pre-norm output [B, T, H]."""
         b, _, t, _ = attn.shape
-        x = hidden + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        x = residual + self.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
         h = self.post_attention_layernorm(x)
         if self.fused is None:
             return x + self.mlp(h)
@@ -134,6 +140,11 @@ class Eagle3Head(nn.Module):
         # tensor so the engine holds one copy. A head file that carries `embed_tokens.weight` binds that.
         self.embed_tokens: nn.Embedding | None = None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=False)
+        ht = cfg.target_hidden_size
+        if cfg.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(3 * ht, eps=cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(ht, eps=cfg.rms_norm_eps) for _ in range(3))
         self.midlayer = DraftLayer(cfg)
         self.norm = LlamaRMSNorm(h, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
@@ -166,7 +177,7 @@ class Eagle3Head(nn.Module):
             if not p.is_floating_point():
                 continue
             with torch.no_grad():
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") or name.startswith("fc_norm."):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
@@ -200,16 +211,26 @@ class Eagle3Head(nn.Module):
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """Fuse the three target features (3·H_target wide) into the head's width. Step 0 only: later
-        steps feed the head's own pre-norm output, which is already H wide."""
+        steps feed the head's own output, which is already H wide."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux)
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor):
         """cos/sin for integer `positions` [B, T], in `like`'s dtype and device."""
         return self.rotary(like, positions)
 
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """`midlayer.finish`, as the next draft step reads it: the pre-norm output, or with `norm_output`
+        (speculators) the normed one."""
+        out = self.midlayer.finish(attn, hidden)
+        return self.norm(out) if self.config.norm_output else out
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits from the layer's pre-norm output."""
-        return self.lm_head(self.norm(out))
+        """Draft-vocab logits from `finish`'s output."""
+        return self.lm_head(out if self.config.norm_output else self.norm(out))
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -217,10 +238,12 @@ class Eagle3Head(nn.Module):
     def forward(self, input_ids, hidden, positions, mask=None, past_kv: KV | None = None):
         """One dense pass over H-wide `hidden` (`project(aux)` or the head's own output).
 
-        Returns (pre-norm output, draft logits, KV including these tokens)."""
+        Returns (output as `finish` gives it, draft logits, KV including these tokens)."""
         emb = self.embed(input_ids).to(hidden.dtype)
         cos, sin = self.rope(positions, hidden)
         out, kv = self.midlayer(emb, hidden, cos, sin, mask=mask, past_kv=past_kv)
+        if self.config.norm_output:
+            out = self.norm(out)
         return out, self.logits(out), kv
 
 

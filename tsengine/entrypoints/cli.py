@@ -45,14 +45,16 @@ def _head_init(args) -> None:
 def _export(args) -> None:
     from tsengine.eagle3.export import export_checkpoint
 
-    target = None
+    target = verifier = None
     if args.target:
         from transformers import AutoConfig
 
         from tsengine.targets import resolve
 
-        target = AutoConfig.from_pretrained(resolve(args.target))
-    out = export_checkpoint(args.checkpoint, args.out, target=target, dtype=args.dtype)
+        verifier = resolve(args.target)  # an embedded name: the local directory its weights came from
+        target = AutoConfig.from_pretrained(verifier)
+    out = export_checkpoint(args.checkpoint, args.out, target=target, dtype=args.dtype, fmt=args.format,
+                            verifier=verifier)
     print(f"exported {out}")
 
 
@@ -176,10 +178,14 @@ def parser() -> argparse.ArgumentParser:
     hi.set_defaults(run=_head_init)
 
     ex = sub.add_parser("export", help="write a training checkpoint's head in the SGLang/vLLM format")
-    ex.add_argument("checkpoint", help="checkpoints/step-N directory, or a run directory (latest checkpoint)")
+    ex.add_argument("checkpoint", help="checkpoints/step-N directory, a run directory (latest checkpoint) or a "
+                    "head directory in any format tsengine loads")
     ex.add_argument("--out", required=True, help="output head directory")
     ex.add_argument("--target", help="also check the head fits this target (dir, embedded name or hub id)")
     ex.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default: as trained)")
+    ex.add_argument("--format", default="sglang", choices=["sglang", "speculators"],
+                    help="sglang: what SGLang, SpecForge and vLLM's EAGLE path read (default); speculators: "
+                    "vLLM's speculators format (needs --target)")
     ex.set_defaults(run=_export)
 
     from tsengine.entrypoints.engine_args import add_engine_args

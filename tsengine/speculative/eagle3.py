@@ -115,7 +115,7 @@ class Eagle3Proposer(Proposer):
         else:
             write_kv(self.kv[0], self.kv[1], k, v, ctx)
             a = paged_attention(q, self.kv[0], self.kv[1], ctx, self.scale, self.backend)
-        return h.midlayer.finish(a.transpose(0, 1)[None], hidden[None])[0]
+        return h.finish(a.transpose(0, 1)[None], hidden[None])[0]
 
     def chain_kv(self, tables: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> ChainKV:
         return ChainKV(self.kv[0], self.kv[1], tables, pos, self.block_size, dtype)
