@@ -196,6 +196,14 @@ def _regen_probe(r, tok, rows: list, probe_dir: Path, layer_ids: tuple[int, ...]
 
     g = r.regen
     shutil.rmtree(probe_dir, ignore_errors=True)
+    if g.backend == "openai":  # the servers answer: their wall time per answer is the rate
+        from tsengine.train.regen_openai import OpenAIRegenerator
+
+        server = OpenAIRegenerator(g.base_urls, g.model, g.batch_size, g.max_new_tokens, g.top_p, g.seed)
+        t0 = time.perf_counter()
+        server.run(answer_rows(rows, g.temperature), probe_dir / "probe.jsonl", progress=False)
+        shutil.rmtree(probe_dir, ignore_errors=True)
+        return (time.perf_counter() - t0) / max(1, len(rows)), server.tokens_out / max(1, len(rows))
     regen = EngineRegenerator(resolve(r.target), tok, min(g.batch_size, len(rows)), g.max_new_tokens, g.top_p,
                               g.seed, r.data.max_length, layer_ids, dtype=g.engine_dtype())
     half = len(rows) // 2

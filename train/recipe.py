@@ -37,9 +37,14 @@ class Data(_Strict):
 
 class Regen(_Strict):
     # engine: tsengine's LLM (continuous batching, chunked prefill; captures features in offline mode);
-    # hf: transformers `generate`, for targets the engine does not support
-    backend: Literal["engine", "hf"] = "engine"
-    batch_size: int = Field(32, ge=1, le=4096)  # hf: conversations per generate call; engine: max_num_seqs
+    # hf: transformers `generate`, for targets the engine does not support; openai: the servers of
+    # `base_urls` (vLLM, SGLang, `tsengine serve`) answer, sharing the rows, and a feature pass over the
+    # answers follows (train/regen_openai.py)
+    backend: Literal["engine", "hf", "openai"] = "engine"
+    base_urls: list[str] = []  # openai: e.g. http://10.0.0.5:8000/v1; the key comes from $OPENAI_API_KEY
+    model: Optional[str] = None  # openai: the served model name (None: the one the servers list)
+    # hf: conversations per generate call; engine: max_num_seqs; openai: requests in flight per server
+    batch_size: int = Field(32, ge=1, le=4096)
     max_new_tokens: int = Field(256, ge=1, le=32768)
     temperature: float = Field(0.0, ge=0.0, le=5.0)  # 0 = greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -51,6 +56,18 @@ class Regen(_Strict):
     # computes bf16 natively (AMX-bf16 / AVX512-bf16 CPUs, Ampere+ GPUs; tsengine/model/precision.py), else
     # float32. Either way the eval and the engine serve the target in its own dtype.
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+    @model_validator(mode="after")
+    def _servers(self) -> "Regen":
+        if self.backend == "openai" and not self.base_urls:
+            raise ValueError("regen.backend openai needs regen.base_urls: the OpenAI-compatible servers that answer")
+        if self.backend != "openai" and (self.base_urls or self.model):
+            raise ValueError(f"regen.base_urls and regen.model are for regen.backend openai (backend is "
+                             f"{self.backend!r})")
+        bad = [u for u in self.base_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"regen.base_urls {bad}: each must start with http:// or https://")
+        return self
 
     def engine_dtype(self, device: str | None = None) -> str:
         """The dtype the engine answers in on `device` (None: the engine's default device)."""
@@ -64,7 +81,8 @@ class Regen(_Strict):
         """The fields that decide an answer, less `exclude`, with the dtype as resolved on this machine (a
         bf16 answer may differ from an fp32 one); fp32 is left out, keeping the keys runs had before the
         field existed."""
-        out, dtype = self.model_dump(exclude=exclude | {"dtype"}), self.engine_dtype()
+        unset = {"base_urls"} | ({"model"} if self.model is None else set())  # keys of runs before they existed
+        out, dtype = self.model_dump(exclude=exclude | unset | {"dtype"}), self.engine_dtype()
         return out if dtype == "float32" else {**out, "dtype": dtype}
 
 

@@ -3,12 +3,15 @@
 EAGLE heads trained on someone else's answers (ShareGPT's GPT-4 text) accept less than heads trained on
 the target's own outputs. This stage replays every conversation through the target: user (and system)
 turns are kept, each assistant turn is replaced by what the target generates given the conversation so
-far. Two backends: tsengine's engine (train/regen_engine.py: continuous batching, and in offline mode the
-features captured in the same forward) and, for architectures the engine does not run, batched HF
+far. Three backends: tsengine's engine (train/regen_engine.py: continuous batching, and in offline mode the
+features captured in the same forward), OpenAI-compatible servers (train/regen_openai.py: vLLM, SGLang or
+`tsengine serve`, for more than one machine) and, for architectures the engine does not run, batched HF
 `generate` with left padding (`Regenerator` here). Rows are appended to a JSONL file as they finish, so a
 restart skips every id already written.
 
     python -m tsengine.train.regenerate --target smollm2-135m --data prompts.jsonl --out regen.jsonl [--backend hf]
+    python -m tsengine.train.regenerate --target T --data prompts.jsonl --out regen.jsonl --backend openai \
+        --base-url http://host-a:8000/v1 --base-url http://host-b:8000/v1
 """
 
 from __future__ import annotations
@@ -187,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-samples", type=int)
-    p.add_argument("--backend", choices=("engine", "hf"), default="engine",
-                   help="engine: tsengine (continuous batching); hf: transformers generate")
+    p.add_argument("--backend", choices=("engine", "hf", "openai"), default="engine",
+                   help="engine: tsengine (continuous batching); hf: transformers generate; openai: the servers "
+                   "of --base-url")
+    p.add_argument("--base-url", action="append", default=[], help="openai: a server's URL (repeat for more; "
+                   "the key comes from $OPENAI_API_KEY)")
+    p.add_argument("--model", help="openai: the served model name (default: the one the servers list)")
     args = p.parse_args(argv)
 
     def body() -> None:
@@ -199,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         from tsengine.targets import load_target, resolve
 
         rows = [{**row, "temperature": args.temperature} for row in list(load_rows(args.data))[: args.max_samples]]
-        if args.backend == "engine":
+        if (args.backend == "openai") != bool(args.base_url):
+            raise UserError("--base-url is needed with --backend openai, and only there")
+        if args.backend == "openai":
+            from tsengine.train.regen_openai import OpenAIRegenerator
+
+            regen = OpenAIRegenerator(args.base_url, args.model, args.batch_size, args.max_new_tokens, args.top_p,
+                                      args.seed)
+        elif args.backend == "engine":
             from transformers import AutoTokenizer
 
             from tsengine.train.regen_engine import EngineRegenerator

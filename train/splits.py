@@ -88,7 +88,8 @@ def regenerate(r, model, tok, rows: list, out: Path) -> list:
     settings = {"source": r.data.source, "target": r.target, "tokenizer": tokenizer_digest(tok),
                 "max_length": r.data.max_length,
                 **(r.regen.cache_fields({"batch_size"}) if r.regen.backend == "engine"
-                   else r.regen.model_dump(exclude={"dtype"}))}  # the HF backend runs the target as loaded
+                   else r.regen.model_dump(exclude={"dtype", "batch_size", "base_urls"}) if r.regen.backend == "openai"
+                   else r.regen.model_dump(exclude={"dtype", "base_urls", "model"}))}  # HF: the target as loaded
     side = out.with_suffix(".settings.json")
     if side.exists() and json.loads(side.read_text()) != settings:
         out.unlink(missing_ok=True)
@@ -104,6 +105,12 @@ def regenerate(r, model, tok, rows: list, out: Path) -> list:
 
         regen = EngineRegenerator(resolve(r.target), tok, g.batch_size, g.max_new_tokens, g.top_p, g.seed,
                                   r.data.max_length, dtype=g.engine_dtype())
+        skipped = regen.run(rows, out)
+        tokens = regen.tokens_out
+    elif g.backend == "openai":  # the servers' dtype and batching are theirs
+        from tsengine.train.regen_openai import OpenAIRegenerator
+
+        regen = OpenAIRegenerator(g.base_urls, g.model, g.batch_size, g.max_new_tokens, g.top_p, g.seed)
         skipped = regen.run(rows, out)
         tokens = regen.tokens_out
     else:  # HF generate samples one temperature per call: one pass per temperature
