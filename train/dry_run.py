@@ -51,11 +51,11 @@ def dry(r, plan: list[str]) -> dict:
 
 
 def _param_counts(cfg) -> dict[str, int]:
-    from tsengine.eagle3.format import expected_shapes
+    from tsengine.eagle3.format import expected_shapes, head_keys
 
     out = {}
     for k, shape in expected_shapes(cfg).items():
-        if k in ("d2t", "t2d", "embed_tokens.weight"):
+        if k in ("d2t", "t2d") or k not in head_keys(cfg):
             continue
         n = 1
         for d in shape:

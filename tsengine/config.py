@@ -96,7 +96,9 @@ class SpeculativeConfig(_Strict):
     adaptive: bool | None = Field(None, description=(
         "choose every step among plain decoding, EAGLE3 chains of 1..num_steps (per request: head, prompt "
         "lookup or none) and the configured tree, from the measured acceptance and step cost "
-        "(tsengine/speculative/adaptive/policy.py); default: on for EAGLE3; off pins the configured shape"))
+        "(tsengine/speculative/adaptive/policy.py); default: on for EAGLE3 under the default sampling rule "
+        "(off under rejection or multiround sampling, whose seeded tokens depend on the drafts); off pins the "
+        "configured shape"))
 
     @property
     def rule(self) -> str:
@@ -127,8 +129,9 @@ class SpeculativeConfig(_Strict):
             problems.append(f"prompt_lookup_min {self.prompt_lookup_min} > prompt_lookup_max {self.prompt_lookup_max}")
         fail_if(problems, "invalid speculative decoding settings")
         update = {"num_draft_tokens": s + 1} if n is None else {}
-        if self.adaptive is None:
-            update["adaptive"] = self.algorithm == "EAGLE3"
+        if self.adaptive is None:  # not by default under a rule whose tokens depend on the drafts: the policy
+            # chooses by measured time, so the drafts, and a seeded request's tokens, would differ run to run
+            update["adaptive"] = self.algorithm == "EAGLE3" and self.rule == "gumbel"
         return self.model_copy(update=update) if update else self
 
     @staticmethod

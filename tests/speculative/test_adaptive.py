@@ -136,7 +136,8 @@ def test_config_forms():
 
 def test_adaptive_is_the_default_for_a_head_unless_pinned():
     """Issue 43: a configured head is adaptive unless the user pins the shape (`adaptive` false, or
-    --no-speculative-adaptive); prompt lookup alone stays fixed."""
+    --no-speculative-adaptive) or verifies by a rule whose tokens depend on the drafts; prompt lookup alone
+    stays fixed."""
     import argparse
 
     from tsengine.entrypoints.engine_args import add_engine_args, engine_config
@@ -148,6 +149,12 @@ def test_adaptive_is_the_default_for_a_head_unless_pinned():
         is False
     assert SpeculativeConfig.resolve(algorithm="NGRAM").adaptive is False
     assert SpeculativeConfig.resolve(adaptive=False) is None  # pinning alone asks for no speculation
+    # the rejection and multiround rules' seeded tokens depend on the drafts, which a policy choosing by measured
+    # time would vary run to run: fixed by default there, adaptive only when asked
+    for rule in ({"speculative_sampling": True}, {"tree_sampling": "multiround"}):
+        base = {"method": "eagle3", "model": "HEAD", **rule}
+        assert SpeculativeConfig.resolve(config_json=base).adaptive is False
+        assert SpeculativeConfig.resolve(config_json={**base, "adaptive": True}).adaptive is True
     p = argparse.ArgumentParser()
     add_engine_args(p)
     head = ["--model", "M", "--speculative-algorithm", "eagle3", "--speculative-draft-model-path", "HEAD"]
