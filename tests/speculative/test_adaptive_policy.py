@@ -11,7 +11,7 @@ from tsengine.model.graphs import HOT_AFTER
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
-from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan
+from tsengine.speculative.adaptive.policy import MARGIN, PAD, AdaptivePolicy, Arm, Plan
 from tsengine.speculative.adaptive.proposer import known_remaining
 from tsengine.speculative.drafts import Proposal
 
@@ -278,3 +278,21 @@ def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
     p.learn(Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.012, graph=True, tokens=6))
     assert not p.cold(Arm(1), 4)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
+
+
+def test_where_steps_run_as_graphs_no_step_mixes_plain_and_drafting_requests():
+    """One request's prompt lookup is always right, the others have nothing to draft, and rows are dear: a
+    step drafting for that request alone is priced faster than plain decoding, padding the others is not.
+    Eager engines run that mixed step; where steps run as graphs it would be eager, dearer than priced (a
+    new row count builds its kernels on the spot), so the policy pads or decodes plainly, never mixes."""
+    st = PerRequest(3)
+    for _ in range(200):
+        st.observe("ngram", 3, 3)
+    stats, one = [st] * 4, [[1, 2, 3], None, None, None]
+    for graphs in (False, True):
+        p = trained_policy(draft_step_seconds=0.0005, accepted=0, row_seconds=0.003)
+        p.graphs_seen = graphs
+        mixed = p.price(Arm(3), ["ngram", "plain", "plain", "plain"], stats, one)
+        assert mixed > MARGIN * p.candidates(stats, one)[0].tokens_per_s  # priced above plain decoding
+        sources = p.choose(stats, one).sources
+        assert (0 < sources.count("plain") < 4) == (not graphs), (graphs, sources)

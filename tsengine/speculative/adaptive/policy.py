@@ -299,7 +299,11 @@ class AdaptivePolicy:
             pad = self.pad.tokens(k) - 1.0
             padded = self._chain_priced(k, [PAD if s == "plain" else s for s in sources],
                                         [pad if s == "plain" else g for s, g in zip(sources, gains)], heads)
-            plan = max(plan, padded, key=lambda p: p.tokens_per_s)
+            # where steps run as graphs, never mixed: its eager step is dearer than the line's eager term says
+            # (a row count met for the first time builds its matmul kernels on the spot), and at 4 requests the
+            # adaptive server that chose plain on 94% of its steps, and mixed chains on most of the rest, ran
+            # at 0.94x the plain server (docs/benchmarks.md, "Adaptive speculation by default")
+            plan = padded if self.graphs_seen else max(plan, padded, key=lambda p: p.tokens_per_s)
         return plan
 
     def _chain_priced(self, k: int, sources: list[str], gains: list[float], heads: int) -> Plan:
