@@ -39,6 +39,8 @@ def head_keys(cfg: Eagle3Config) -> frozenset[str]:
     extra = (["input_norm.weight"] if cfg.norm_before_fc else []) + (
         [f"fc_norm.{i}.weight" for i in range(3)] if cfg.fc_norm else [])
     return EXPORT_KEYS | frozenset(extra)
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
