@@ -12,7 +12,8 @@ one that always answers plain: every step pays the adaptive machinery and decode
 ratio to plain. The adaptive row's trace gives per kind of step its steps, eager steps, time per step and
 the tokens per second it delivered against what the policy predicted (corrected) when choosing it.
 `--heat` first runs the adaptive engine once per chain length with the plan forced, so every chain shape
-at that batch is compiled, as on a server that has run a while. `--profile` prints the forced-plain row's top functions by own time (cProfile).
+at that batch is compiled, as on a server that has run a while. `--profile` prints the forced-plain row's
+top functions by own time (cProfile).
 """
 
 from __future__ import annotations

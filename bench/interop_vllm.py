@@ -130,7 +130,8 @@ def report(ours: dict, theirs: dict, batches: list[int]) -> list[dict]:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         c = r["counters"]
-        print(f"| {r['engine']} | {r['config']} | {r['batch']} | {r['tok_s']:.1f} | {r['outputs_equal_tsengine_plain']} | "
+        print(f"| {r['engine']} | {r['config']} | {r['batch']} | {r['tok_s']:.1f} | "
+              f"{r['outputs_equal_tsengine_plain']} | "
               + (f"{c['drafts']} | {c['accepted']} | {c['accepted_per_pos']} | {r['counters_equal_tsengine']} |"
                  if c else "- | - | - | - |"))
     return rows
@@ -165,8 +166,10 @@ def main() -> None:
     eagle = {"method": "eagle3", "num_speculative_tokens": args.steps}
     job = {"target": target, "prompts": prompts, "max_tokens": args.max_tokens, "batches": batches,
            "configs": [{"name": "plain"},
-                       {"name": "eagle3 (sglang layout)", "speculative_config": {**eagle, "model": str(Path(args.draft).resolve())}},
-                       {"name": "eagle3 (speculators layout)", "speculative_config": {**eagle, "model": str(speculators)}}]}
+                       {"name": "eagle3 (sglang layout)",
+                        "speculative_config": {**eagle, "model": str(Path(args.draft).resolve())}},
+                       {"name": "eagle3 (speculators layout)",
+                        "speculative_config": {**eagle, "model": str(speculators)}}]}
     theirs = run_vllm(python, venv, job, work)
     ours = run_ours(target, args.draft, prompts, batches, args.max_tokens, args.steps)
     print(f"\nvLLM {theirs['vllm_version']}; {len(prompts)} prompts x {args.max_tokens} tokens, greedy, fp32\n")

@@ -250,7 +250,8 @@ def _known_hf_keys() -> set[str]:
 
         _KNOWN = set(LlamaConfig().to_dict()) | {
             "draft_vocab_size", "target_hidden_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
-            "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "rope_theta", "rope_scaling", "torch_dtype", "dtype", "architectures",
+            "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "rope_theta", "rope_scaling",
+            "torch_dtype", "dtype", "architectures",
             "model_type", "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id",
             "tie_word_embeddings", "use_cache", "initializer_range", "pretraining_tp", "attention_dropout",
         }

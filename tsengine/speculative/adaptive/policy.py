@@ -25,6 +25,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, replace
 
+from tsengine.model.graphs import HOT_AFTER
 from tsengine.speculative.adaptive.estimates import (
     Acceptance,
     Correction,
@@ -33,7 +34,6 @@ from tsengine.speculative.adaptive.estimates import (
     PerRequest,
     RunningMean,
 )
-from tsengine.model.graphs import HOT_AFTER
 from tsengine.speculative.drafts import Proposal
 
 SMALL_TREE = (3, 2, 6)
