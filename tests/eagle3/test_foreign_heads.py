@@ -31,7 +31,7 @@ def _write(out, config, tensors):
     return out
 
 
-def specforge(src, out):
+def specforge(src):
     """SpecForge's HF export: aux ids only nested (layer outputs), its `norm_output` (the norm before lm_head),
     the target's embeddings copied in."""
     c, t = _files(src)
@@ -41,7 +41,7 @@ def specforge(src, out):
     return c, t
 
 
-def eagle(src, out):
+def eagle(src):
     """The EAGLE repository: a plain LlamaConfig, no aux ids (fixed by convention), no head_dim (hidden /
     heads), no target_hidden_size."""
     c, t = _files(src)
@@ -82,7 +82,7 @@ def test_a_foreign_layout_loads_the_same_head_and_drafts_the_same_tokens(tiny_di
         c, t = speculators_layout(src, out, hf.config, tiny_dirs["llama"])
         assert any(k.startswith("layers.0.") for k in t) and "speculators_config" in c
     else:
-        c, t = (specforge if fmt == "specforge" else eagle)(src, out)
+        c, t = (specforge if fmt == "specforge" else eagle)(src)
     _write(out, c, t)
     ours, theirs = load_head(src, target=hf.config), load_head(out, target=hf.config)
     assert theirs.config == ours.config
@@ -151,9 +151,9 @@ def test_heads_tsengine_cannot_serve_are_refused_naming_the_field(tiny_dirs, tin
         _refused(tiny_models, _write(tmp_path / name, bad, t), needle)
     no_map = {k: v for k, v in t.items() if k not in ("d2t", "t2d")}
     _refused(tiny_models, _write(tmp_path / "no map", c, no_map), "no d2t/t2d", "draft_vocab_size (256)")
-    sc, st = specforge(heads["llama"], None)
+    sc, st = specforge(heads["llama"])
     _refused(tiny_models, _write(tmp_path / "sf", dict(sc, norm_output=False), st), "norm_output is false")
-    ec, et = eagle(heads["llama"], None)
+    ec, et = eagle(heads["llama"])
     _refused(tiny_models, _write(tmp_path / "bias", dict(ec, bias=True), et), "bias is true")
     _refused(tiny_models, _write(tmp_path / "no midlayer", ec, {k.replace("midlayer.", "layer."): v
                                                                for k, v in et.items()}), "no 'midlayer.' tensors")
