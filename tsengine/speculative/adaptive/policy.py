@@ -7,8 +7,8 @@ docs/design/adaptive.md. In short:
   lookup or not at all, whichever its own record says commits more (not at all: plainly, or padded to keep
   the step uniform, `PAD`); the configured tree (and a small one).
 - Prediction: tokens (counted by the time they save where a batch ends together, `_worth_ratio`) over
-  seconds (the target's step from a fitted line, eager where the arm's shape has not run as a graph at this
-  batch, the head's extension and drafting, the rest of the step),
+  seconds (the target's step from a fitted line, eager where the arm's last `HOT_AFTER` steps at this batch
+  ran eagerly, the head's extension and drafting, the rest of the step),
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests that started
   together with none queued: speculation must be predicted `MARGIN` faster than plain.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
@@ -299,10 +299,10 @@ class AdaptivePolicy:
             pad = self.pad.tokens(k) - 1.0
             padded = self._chain_priced(k, [PAD if s == "plain" else s for s in sources],
                                         [pad if s == "plain" else g for s, g in zip(sources, gains)], heads)
-            # where steps run as graphs, never mixed: its eager step is dearer than the line's eager term says
-            # (a row count met for the first time builds its matmul kernels on the spot), and at 4 requests the
-            # adaptive server that chose plain on 94% of its steps, and mixed chains on most of the rest, ran
-            # at 0.94x the plain server (docs/benchmarks.md, "Adaptive speculation by default")
+            # where steps run as graphs, never mixed: its step runs eagerly, dearer than the line's eager term
+            # says (a row count met for the first time builds its matmul kernels on the spot; in-process traces
+            # at 4 requests had eager chain steps at several times a compiled one: docs/benchmarks.md,
+            # "Adaptive speculation by default")
             plan = padded if self.graphs_seen else max(plan, padded, key=lambda p: p.tokens_per_s)
         return plan
 
