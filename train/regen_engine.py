@@ -28,7 +28,7 @@ from typing import Any, Iterable
 from tqdm import tqdm
 
 from tsengine.train.data import Skipped, captured_example, normalize, render
-from tsengine.train.regenerate import read_done, row_id
+from tsengine.train.regenerate import read_done, reply_slots, row_id
 
 CAPTURE_SHARD_TOKENS = 32768  # small shards: a killed run loses at most this much generation
 
@@ -99,9 +99,7 @@ class EngineRegenerator:
             except ValueError as e:
                 skipped.add(str(e))
                 continue
-            slots = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
-            if msgs[-1]["role"] == "user":
-                slots.append(len(msgs))
+            slots = reply_slots(msgs)
             if rid in seen:
                 raise UserError(f"rows: id {rid!r} appears twice; every row needs its own id (answers are "
                                 "cached and written by id)")

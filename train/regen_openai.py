@@ -26,9 +26,9 @@ import httpx
 from tqdm import tqdm
 
 from tsengine.errors import UserError
-from tsengine.train.data import Skipped, normalize
+from tsengine.train.data import Skipped
 from tsengine.train.regen_engine import request_seed
-from tsengine.train.regenerate import read_done, row_id
+from tsengine.train.regenerate import pending, read_done, reply_slots
 
 RETRIES = 4  # a dropped connection or a 5xx/429 is retried with backoff; then the run stops (answers kept)
 API_KEY_ENV = "OPENAI_API_KEY"  # read from the environment, never from a recipe file
@@ -48,15 +48,9 @@ class OpenAIRegenerator:
         """Answer every row not yet in `out_path` (JSONL); a row may carry `temperature` (else greedy)."""
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        done, skipped, todo = read_done(out_path), Skipped(), []
-        for i, row in enumerate(rows):
-            rid = row_id(row, i)
-            if rid in done:
-                continue
-            try:
-                todo.append((rid, normalize(row, require_assistant=False), float(row.get("temperature") or 0.0)))
-            except ValueError as e:
-                skipped.add(str(e))
+        skipped = Skipped()
+        todo = [(rid, msgs, float(row.get("temperature") or 0.0))
+                for rid, row, msgs in pending(rows, read_done(out_path), skipped)]
         if todo:
             asyncio.run(self._run(todo, out_path, skipped, progress))
         return skipped
@@ -99,10 +93,8 @@ class OpenAIRegenerator:
 
     async def _conversation(self, client, url: str, model: str, rid: str, msgs: list[dict[str, str]],
                             temperature: float, skipped: Skipped) -> dict | None:
-        slots = [j for j, m in enumerate(msgs) if m["role"] == "assistant"] + (
-            [len(msgs)] if msgs[-1]["role"] == "user" else [])
         finished = True
-        for turn, at in enumerate(slots):
+        for turn, at in enumerate(reply_slots(msgs)):
             body = {"model": model, "messages": msgs[:at], "max_tokens": self.max_new_tokens,
                     "temperature": temperature, "top_p": self.top_p if temperature > 0 else 1.0,
                     "seed": request_seed(self.seed, f"{rid}/{turn}") % 2**63}

@@ -36,6 +36,25 @@ def row_id(row: dict[str, Any], index: int) -> str:
     return str(row.get("id") if row.get("id") is not None else index)
 
 
+def reply_slots(msgs: list[dict[str, str]]) -> list[int]:
+    """The message indexes a regeneration writes, in order: every assistant turn, and a reply appended to a
+    conversation that ends with the user."""
+    return [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + (
+        [len(msgs)] if msgs[-1]["role"] == "user" else [])
+
+
+def pending(rows: Iterable[dict[str, Any]], done: set[str], skipped: Skipped):
+    """(id, row, normalized messages) of every row not in `done`; malformed rows are counted in `skipped`."""
+    for i, row in enumerate(rows):
+        rid = row_id(row, i)
+        if rid in done:
+            continue
+        try:
+            yield rid, row, normalize(row, require_assistant=False)
+        except ValueError as e:
+            skipped.add(str(e))
+
+
 def answer_rows(rows: list[dict[str, Any]], temperature: float, samples: int = 1,
                 include_greedy: bool = False) -> list[dict[str, Any]]:
     """Each prompt row becomes the rows of its answers, each with its own id and `temperature`: the greedy
@@ -120,15 +139,8 @@ class Regenerator:
         """Regenerate every row not yet in `out_path`; returns rows skipped by reason."""
         out_path = Path(out_path)
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        done, skipped, todo = read_done(out_path), Skipped(), []
-        for i, row in enumerate(rows):
-            rid = row_id(row, i)
-            if rid in done:
-                continue
-            try:
-                todo.append((rid, normalize(row, require_assistant=False)))
-            except ValueError as e:
-                skipped.add(str(e))
+        done, skipped = read_done(out_path), Skipped()
+        todo = [(rid, msgs) for rid, _, msgs in pending(rows, done, skipped)]
         todo.sort(key=lambda r: sum(len(m["content"]) for m in r[1]))  # similar lengths pad less
         bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress)
         with out_path.open("a") as f:
@@ -145,10 +157,7 @@ class Regenerator:
     def _batch(self, batch: list[tuple[str, list[dict[str, str]]]], skipped: Skipped) -> list[dict[str, Any]]:
         """Turn by turn: round r answers the r-th assistant turn of every conversation that has one."""
         convs = [[m for m in msgs] for _, msgs in batch]
-        # assistant slots to fill; a prompt row ending in a user turn gets its reply appended
-        turns = [[i for i, m in enumerate(c) if m["role"] == "assistant"]
-                 + ([len(c)] if c[-1]["role"] == "user" else [])
-                 for c in convs]
+        turns = [reply_slots(c) for c in convs]
         finished = [True] * len(batch)
         ok, why = [True] * len(batch), [""] * len(batch)
         for r in range(max(len(t) for t in turns)):
