@@ -4,13 +4,16 @@ speculation is the default with a head, so its plain steps must run at plain dec
 In one process, side by side, the same requests (built-in validation prompts, greedy, EOS ignored) at each
 batch size:
 
-    python bench/adaptive_overhead.py --draft DIR [--batches 4,16 --max-tokens 96 --repeats 3 --heat --profile]
+    python bench/adaptive_overhead.py --draft DIR [--batches 4,16 --max-tokens 96 --repeats 3 --heat --profile
+        --no-prefix-caching]
 
 Rows: `plain` (no head), `adaptive, forced plain` (the default adaptive engine whose policy is replaced by
 one that always answers plain: every step pays the adaptive machinery and decodes plainly) and `adaptive`
 (the policy deciding). Reports output tok/s (median of the repeats, rows interleaved per repeat) and the
 ratio to plain. The adaptive row's trace gives per kind of step its steps, eager steps, time per step and
 the tokens per second it delivered against what the policy predicted (corrected) when choosing it.
+Prefix caching is on, as in a server (the prompts repeat, so every timed run's prompts are cached hits,
+as in bench/serve_throughput.py: an adaptive engine that keyed fewer blocks pays their prefill).
 `--heat` first runs the adaptive engine once per chain length with the plan forced, so every chain shape
 at that batch is compiled, as on a server that has run a while. `--profile` prints the forced-plain row's
 top functions by own time (cProfile).
@@ -108,12 +111,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--heat", action="store_true", help="compile every chain shape first (forced chains)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-prefix-caching", action="store_true")
     args = ap.parse_args()
     path = str(resolve(args.target))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.steps}  # adaptive: the default
     for batch in (int(b) for b in args.batches.split(",")):
-        kw = dict(max_num_seqs=batch, enable_prefix_caching=False)
+        kw = dict(max_num_seqs=batch, enable_prefix_caching=not args.no_prefix_caching)
         rows = {"plain": LLM(path, **kw), "adaptive, forced plain": LLM(path, speculative_config=spec, **kw),
                 "adaptive": LLM(path, speculative_config=spec, **kw)}
         forced_plain(rows["adaptive, forced plain"])

@@ -251,6 +251,29 @@ def test_the_head_extends_over_a_request_when_it_drafts_for_it_and_keeps_its_fea
     assert not stats(seqs[1], 3).head_gap and seqs[1].draft_cached == 3
 
 
+def test_requests_the_head_never_drafts_for_are_prefix_cached_as_in_a_plain_engine(tiny_dirs, heads):
+    """With the policy choosing plain decoding every step, the head never drafts: it still extends over
+    prompts and over finished requests, so their blocks are keyed as a plain engine keys them. A shared
+    system prompt, then the next turn of each conversation, hit as many positions as in a plain engine,
+    with the same outputs. (Kept for a head that never came, the blocks were never keyed: no hits.)"""
+    system = list(range(100, 123))  # 5 full blocks of 4 and a partial one
+    first = [system + [5, 6, 7], system + [8, 9], [7, 8, 9]]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(llm):
+        outs = [o.outputs[0].token_ids for o in llm.generate(first, greedy)]
+        second = [p + out + [11, 12] for p, out in zip(first, outs)]
+        outs += [o.outputs[0].token_ids for o in llm.generate(second, greedy)]
+        return outs, llm.engine.scheduler.prefix.hits
+
+    adaptive = adaptive_llm(tiny_dirs, heads["llama"])
+    adaptive.engine.proposer.policy.choose = lambda st, *_a, **_k: Plan(Arm(0), ["plain"] * len(st))
+    want, hits = run(make_llm(tiny_dirs))
+    got, got_hits = run(adaptive)
+    assert got == want
+    assert hits >= 20 + 3 * 12 and got_hits == hits, (got_hits, hits)  # the system prompt, and every first turn
+
+
 def draft_kv_rows(engine, seq, upto: int) -> torch.Tensor:
     """The head's K and V at positions [0, upto) of `seq`, gathered through its block table."""
     k, v = engine.runner.draft_kv

@@ -11,8 +11,8 @@ from tsengine.model.graphs import HOT_AFTER
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
-from tsengine.speculative.adaptive.policy import MARGIN, PAD, AdaptivePolicy, Arm, Plan
-from tsengine.speculative.adaptive.proposer import known_remaining
+from tsengine.speculative.adaptive.policy import HOLD, HOLD_STEPS, MARGIN, PAD, AdaptivePolicy, Arm, Plan
+from tsengine.speculative.adaptive.proposer import Backlog, known_remaining
 from tsengine.speculative.drafts import Proposal
 
 
@@ -34,7 +34,7 @@ def test_linear_cost_holds_still_on_one_shape():
         model.update([1.0, 8], 0.01 + 0.002 * 8)
     model.update([1.0, 32], 0.01 + 0.002 * 32 + 0.005)  # one noisy step elsewhere
     assert model.predict([1.0, 4]) == pytest.approx(0.018, rel=0.1)
-    assert float(model.p.diagonal().max()) <= model.prior
+    assert max(model.p[i][i] for i in range(2)) <= model.prior
 
 
 def test_acceptance_counts_the_accepted_run():
@@ -182,9 +182,9 @@ def test_one_wild_prediction_does_not_pin_a_correction():
 
 
 def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
-    """A warm-up step (priced by lines fitted from nothing) and a step that ran eagerly only because its
-    shape had no graph yet (tsengine/model/graphs.py `Heat`) teach an arm's correction nothing; the same step
-    through its graph does."""
+    """A warm-up step (priced by lines fitted from nothing) and a step priced as a graph that ran eagerly
+    only because its shape had no graph yet (tsengine/model/graphs.py `Heat`) teach an arm's correction
+    nothing; the same step through its graph does, and so does an eager step priced as one."""
     p = trained_policy(draft_step_seconds=0.0005)
     plan = p.choose([None] * 4, [None] * 4)
     assert plan.arm == Arm(3)
@@ -202,6 +202,16 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
     p.decisions = decisions
     step(graph=True)
     assert p.correction("chain 3", 4) < 1.0
+    # priced as the eager step it is (its last HOT_AFTER steps here ran eagerly), an eager step is what was
+    # promised: its correction learns from it
+    for k in (1, 2, 3):
+        p.eager_runs[Arm(k), 4] = HOT_AFTER
+    plan = p.choose([None] * 4, [None] * 4)
+    assert plan.eager == (plan.arm != Arm(0))
+    plan = Plan(Arm(3), ["eagle3"] * 4, raw_tokens_per_s=p.price(Arm(3), ["eagle3"] * 4, [None] * 4), eager=True)
+    before = p.correction("chain 3", 4)
+    step(graph=False)
+    assert p.correction("chain 3", 4) < before
 
 
 def test_only_steps_that_draft_from_the_head_pay_for_it():
@@ -278,6 +288,75 @@ def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
     p.learn(Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.012, graph=True, tokens=6))
     assert not p.cold(Arm(1), 4)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
+
+
+def test_drafting_from_the_head_after_plain_steps_is_charged_its_catch_up():
+    """The head's catch-up over rows it kept while plain steps ran is a pass of its own, paid by the step
+    that next drafts from it: a chain that wins narrowly in a run of head steps loses to plain decoding when
+    it would first catch up over 40 kept rows a request (2 ms + 0.1 ms a row, learned from catch-ups), and
+    wins again once nothing is kept. Where kept rows are caught up anyway (prefix caching, when a request
+    finishes), only the pass is charged."""
+    def policy(anyway: bool):
+        p = trained_policy(draft_step_seconds=0.002, accepted=1)
+        p.rows_caught_up_anyway = anyway
+        for rows in range(1, 200, 7):
+            p.catch_up_cost.update([1.0, rows], 0.002 + 0.0001 * rows)
+        return p
+
+    kept = []
+    for _ in range(4):
+        st = PerRequest(3)
+        st.backlog = Backlog(0, rows=40)
+        kept.append(st)
+    fresh = [PerRequest(3) for _ in range(4)]
+    p = policy(anyway=False)
+    assert p.choose(fresh, [None] * 4).arm == Arm(1)
+    assert p.choose(kept, [None] * 4).arm == Arm(0)
+    assert p.price(Arm(1), ["eagle3"] * 4, kept) == p.price(Arm(1), ["eagle3"] * 4, fresh)  # correction's view
+    p, anyway = policy(anyway=False), policy(anyway=True)
+    dear, cheap = (q.price(Arm(1), ["eagle3"] * 4, kept, catch_up=True) for q in (p, anyway))
+    bare = p.price(Arm(1), ["eagle3"] * 4, fresh, catch_up=True)
+    assert dear < cheap < bare
+    # seconds = tokens / (tokens per second), the same tokens: 160 rows at 0.1 ms against the 2 ms pass
+    assert (1 / dear - 1 / cheap) / (1 / cheap - 1 / bare) == pytest.approx(0.016 / 0.002, rel=0.05)
+
+
+def test_plain_decoding_far_ahead_is_held_a_few_steps_without_pricing():
+    """Plain decoding predicted more than 10% faster than every other plan: the next `HOLD_STEPS` - 1
+    decisions at that batch size are plain without pricing the candidates; another batch size, or plain
+    only narrowly ahead, prices every step."""
+    p = trained_policy(draft_step_seconds=0.05)  # drafting costs 5 target steps: plain far ahead
+    priced, candidates = [], p.candidates
+    p.candidates = lambda *a: priced.append(len(a[0])) or candidates(*a)
+    for _ in range(2 * HOLD_STEPS):
+        assert p.choose([None] * 4, [None] * 4).arm == Arm(0)
+    assert priced == [4, 4]
+    assert p.choose([None] * 2, [None] * 2).arm == Arm(0) and priced == [4, 4, 2]
+    close = trained_policy(draft_step_seconds=0.01, accepted=1)  # plain ahead, not by 10%
+    priced, candidates = [], close.candidates
+    close.candidates = lambda *a: priced.append(len(a[0])) or candidates(*a)
+    plans = candidates([None] * 4, [None] * 4)
+    assert plans[0].tokens_per_s > max(q.tokens_per_s for q in plans[1:]) > HOLD * plans[0].tokens_per_s
+    for _ in range(HOLD_STEPS):
+        assert close.choose([None] * 4, [None] * 4).arm == Arm(0)
+    assert priced == [4] * HOLD_STEPS
+
+
+def test_exploration_skips_arms_whose_last_step_at_this_batch_ran_eagerly():
+    """An exploration step on an arm that runs eagerly costs several graph steps and teaches its correction
+    nothing (cold steps are skipped): exploring picks only arms not last seen eager at this batch, and with
+    none such it runs the best plan."""
+    p = trained_policy(draft_step_seconds=0.002, accepted=2)
+    p.explore_every = 1  # every decision explores
+    best = p._best(p.candidates([None] * 4, [None] * 4)).arm
+    explored = {p.choose([None] * 4, [None] * 4).arm for _ in range(40)}
+    assert len(explored) > 1 and best in (Arm(2), Arm(3))  # runners-up get explored
+    for arm in p.arms:
+        if arm != best:
+            p.eager_runs[arm, 4] = 1
+    for _ in range(40):
+        assert p.choose([None] * 4, [None] * 4).arm == best
+    assert {p.choose([None] * 2, [None] * 2).arm for _ in range(40)} != {best}  # another batch: explored
 
 
 def test_where_steps_run_as_graphs_no_step_mixes_plain_and_drafting_requests():

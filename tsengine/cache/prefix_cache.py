@@ -100,8 +100,8 @@ class PrefixCache:
         for i in range(seq.num_keyed // bs, min(done // bs, len(keys), len(seq.table))):
             self.blocks.set_key(seq.table[i], keys[i])
             seq.num_keyed = (i + 1) * bs
-        # computed in the target: nobody waits on these any more (adaptive speculation keys a block only once
-        self._unpromise(seq, seq.num_cached // bs)  # its head covers it: a waiting request must not wait for that)
+        # computed in the target: nobody waits on these any more (adaptive speculation keys a decode block only
+        self._unpromise(seq, seq.num_cached // bs)  # once its head covers it: a waiting request must not wait for that)
 
     def _unpromise(self, seq: Sequence, upto: int) -> None:
         """Drop `seq`'s promises for its blocks below index `upto`."""

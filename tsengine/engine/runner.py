@@ -81,7 +81,8 @@ class ModelRunner:
         graphs = self.compiled
         return DraftResources(head=self.head, kv=self.draft_kv, block_size=self.block_size, backend=self.backend,
                               device=self.device, graph_contexts=graphs.contexts if graphs else None,
-                              graph_heat=graphs.heat if graphs else None)
+                              graph_heat=graphs.heat if graphs else None,
+                              prefix_caching=self.config.enable_prefix_caching)
 
     def run(self, batch: list[Scheduled]) -> Forward:
         """One forward over the batch. Host bookkeeping only: no sync, the inputs go over without waiting."""

@@ -83,5 +83,6 @@ def build_proposer(spec, res: DraftResources) -> Proposer:
 
         ngram = NgramProposer(spec.num_steps, spec.prompt_lookup_min, spec.prompt_lookup_max, res.device)
         tree = (spec.num_steps, spec.eagle_topk, spec.num_draft_tokens) if spec.is_tree else None
-        return AdaptiveProposer(eagle, ngram, steps=spec.num_steps, tree=tree, use_ngram=spec.rule != "rejection")
+        return AdaptiveProposer(eagle, ngram, steps=spec.num_steps, tree=tree, use_ngram=spec.rule != "rejection",
+                                prefix_caching=res.prefix_caching)
     return eagle

@@ -93,7 +93,8 @@ class NoProposer(Proposer):
 @dataclass(kw_only=True)
 class DraftResources:
     """What the runner hands a proposer at start-up: the method's draft model (None without one), its KV
-    layer in the target's blocks, and the compiled graphs' context buckets and heat (None: graphs off)."""
+    layer in the target's blocks, the compiled graphs' context buckets and heat (None: graphs off), and
+    whether full blocks are prefix-cached (a block is keyed only once the head covers it)."""
 
     head: "Eagle3Head | None"
     kv: tuple | None
@@ -102,6 +103,7 @@ class DraftResources:
     device: torch.device
     graph_contexts: tuple[int, ...] | None = None
     graph_heat: "Heat | None" = None
+    prefix_caching: bool = False
 
 
 @functools.lru_cache(maxsize=8)

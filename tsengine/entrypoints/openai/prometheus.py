@@ -69,10 +69,11 @@ def _policy_metrics(policy):
         trees.add_metric([arm.name.split()[1]], mean.mean)
     yield trees
     cost = GaugeMetricFamily("tsengine:spec_decode_cost_model_seconds", "Fitted step-cost models (seconds per "
-                             "unit): the target's forward, the head's extension and drafting, and prompt lookup "
-                             "with the decision.", labels=["part", "term"])
+                             "unit): the target's forward, the head's extension and drafting, its catch-up over "
+                             "rows kept while it did not draft, and prompt lookup with the decision.",
+                             labels=["part", "term"])
     for part, model in (("target", policy.target_cost), ("draft", policy.draft_cost),
-                        ("overhead", policy.overhead_cost)):
+                        ("catch_up", policy.catch_up_cost), ("overhead", policy.overhead_cost)):
         for term, value in zip(model.names, model.theta):
             cost.add_metric([part, term], value)
     yield cost

@@ -16,29 +16,29 @@
 
 from __future__ import annotations
 
-import torch
-
 
 class LinearCost:
-    """y ≈ θ·x by recursive least squares with forgetting factor `forget`, covariance capped at `prior`."""
+    """y ≈ θ·x by recursive least squares with forgetting factor `forget`, covariance capped at `prior`.
+    Host floats throughout: it is updated every step and read for dozens of candidate plans per step, and
+    with at most four terms a tensor op's dispatch costs more than the arithmetic."""
 
     def __init__(self, names: tuple[str, ...], forget: float = 0.995, prior: float = 1e3):
         self.names = names
         n = len(names)
-        self.theta = [0.0] * n  # host floats: the policy evaluates dozens of candidates per step
-        self._theta = torch.zeros(n, dtype=torch.float64)
-        self.p = torch.eye(n, dtype=torch.float64) * prior
+        self.theta = [0.0] * n
+        self.p = [[prior if i == j else 0.0 for j in range(n)] for i in range(n)]  # the covariance
         self.forget, self.prior, self.samples = forget, prior, 0
 
     def update(self, x: list[float], y: float) -> None:
-        x = torch.tensor(x, dtype=torch.float64)
-        px = self.p @ x
-        gain = px / (self.forget + x @ px)
-        self._theta += gain * (y - x @ self._theta)
-        self.p = self.p - torch.outer(gain, px)
-        if float(self.p.diagonal().max()) * (1 / self.forget) <= self.prior:
-            self.p = self.p / self.forget
-        self.theta = self._theta.tolist()
+        p, theta = self.p, self.theta
+        px = [sum(pij * xj for pij, xj in zip(row, x)) for row in p]
+        gain = [v / (self.forget + sum(xi * v for xi, v in zip(x, px))) for v in px]
+        err = y - sum(t * xi for t, xi in zip(theta, x))
+        self.theta = [t + g * err for t, g in zip(theta, gain)]
+        p = [[pij - gi * pxj for pij, pxj in zip(row, px)] for row, gi in zip(p, gain)]
+        if max(p[i][i] for i in range(len(p))) / self.forget <= self.prior:
+            p = [[v / self.forget for v in row] for row in p]
+        self.p = p
         self.samples += 1
 
     def predict(self, x: list[float]) -> float:
@@ -80,20 +80,35 @@ class PerRequest:
         self.age = 0  # decisions it has been part of (requests that started together have the same age)
         self.hit = {"eagle3": [0.0] * steps, "ngram": [0.0] * steps}
         self.tried = {"eagle3": [0.0] * steps, "ngram": [0.0] * steps}
+        self._expected: dict[tuple, tuple[list[float], list[float]]] = {}  # `expected`, with the rates it read
 
     def observe(self, source: str, drafted: int, accepted: int) -> None:
         hit, tried = self.hit[source], self.tried[source]
         for i in range(min(drafted, len(tried))):
             tried[i] += 1
             hit[i] += i < accepted
+        self._expected.clear()
 
     def tokens(self, source: str, k: int, overall: Acceptance, shrink: float = 4.0, bonus: float = 0.0) -> float:
         """Expected tokens of a chain of k drafts from `source` for this request. `bonus` (over √(1+tried))
         is optimism for a source the request has hardly tried: without it, a source that is poor on
         average would never be tried on the one request where it shines."""
-        hit, tried, rates = self.hit[source], self.tried[source], overall.rates()
-        return 1.0 + sum(min(1.0, (hit[i] + shrink * rates[i]) / (tried[i] + shrink) + bonus / (1 + tried[i]) ** 0.5)
-                         for i in range(k))
+        return self.expected(source, overall, shrink, bonus)[k]
+
+    def expected(self, source: str, overall: Acceptance, shrink: float = 4.0, bonus: float = 0.0) -> list[float]:
+        """`tokens` for k = 0, 1, ..., steps. Kept until this request's or the overall record changes: the
+        policy reads it for every request of every candidate plan, every step, and on plain steps neither
+        record changes."""
+        rates = overall.rates()  # the same list object until the overall record changes
+        key = source, shrink, bonus
+        kept = self._expected.get(key)
+        if kept is not None and kept[0] is rates:
+            return kept[1]
+        out = [1.0]
+        for h, t, r in zip(self.hit[source], self.tried[source], rates):
+            out.append(out[-1] + min(1.0, (h + shrink * r) / (t + shrink) + bonus / (1 + t) ** 0.5))
+        self._expected[key] = rates, out
+        return out
 
 
 class MeanTokens:
@@ -157,8 +172,10 @@ class Correction:
         """The ratio at this batch bucket, else at the nearest bucket this kind has one for (a load it has
         not run at yet is likelier to behave as the nearest load it has), else 1."""
         bucket = self.bucket(batch)
-        known = [b for (n, b) in self.ratio if n == kind]
-        if not known:
-            return 1.0
-        nearest = min(known, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
-        return self.ratio[kind, nearest]
+        sums = self.sums.get((kind, bucket))
+        if sums is None:
+            known = [b for (n, b) in self.sums if n == kind]
+            if not known:
+                return 1.0
+            sums = self.sums[kind, min(known, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
+        return sums[0] / sums[1]

@@ -40,6 +40,10 @@ SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
 MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
 TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
+# Plain decoding predicted this much faster than every other plan: the next HOLD_STEPS - 1 decisions at the same
+# batch size are plain without pricing the candidates (`_decide`). Pricing them every step cost a visible share
+# of a plain step at 4 and 16 requests (issue 43), and estimates move little over steps that verify nothing.
+HOLD, HOLD_STEPS = 1 / 1.1, 4
 # A request with nothing worth drafting inside a chain step drafts its last token repeated (`PAD`) where that
 # makes the step uniform: a step mixing plain decodes with verify windows runs eagerly (tsengine/model/graphs.py),
 # and at 4 requests a round whose chain steps left half their requests plain ran well below plain, where the
@@ -79,6 +83,7 @@ class Plan:
     tokens_per_s: float = 0.0  # predicted, corrected by what the arm delivered (`Correction`)
     raw_tokens_per_s: float = 0.0  # predicted by the lines alone
     explored: bool = False  # chosen to explore (or the warm-up), not as the predicted best
+    eager: bool = False  # priced as a step that runs eagerly (`AdaptivePolicy.cold`), not as a graph
 
     @property
     def eagle(self) -> list[bool]:
@@ -93,7 +98,7 @@ class Plan:
 
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
-                 explore_every: int = 32, seed: int = 0):
+                 explore_every: int = 32, seed: int = 0, rows_caught_up_anyway: bool = False):
         self.draft_len = steps  # the draft length (chain) or depth (tree) chosen for the last step; 0: plain
         self.steps, self.ngram, self.explore_every = steps, ngram, explore_every
         self._together = False  # this decision's requests will end together, and no request waits for a slot
@@ -126,7 +131,12 @@ class AdaptivePolicy:
         # head work); prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
         self.overhead_cost = LinearCost(("base", "per_request"))
+        # the head's catch-up over rows kept while it did not draft (a pass of its own: adaptive_proposer), and
+        # whether kept rows are caught up anyway (prefix caching: when the request finishes): `_catch_up_seconds`
+        self.catch_up_cost = LinearCost(("base", "per_row"))
+        self.rows_caught_up_anyway = rows_caught_up_anyway
         self.decisions, self.last = 0, Plan(Arm(), [])
+        self._held = (0, 0, 0.0)  # (plain decisions left unpriced, at this batch size, plain's tokens/s): `HOLD`
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
         self.correction = Correction()
         self.last_draft_seconds = 0.0
@@ -168,9 +178,12 @@ class AdaptivePolicy:
             if last.sources and not mixed:
                 key = last.arm, len(last.sources)
                 self.eager_runs[key] = 0 if proposal.graph else self.eager_runs.get(key, 0) + 1
-            # a step whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`): its cost is the
-            # line's eager term, not what its arm delivers once chosen, so the arm's correction skips it
-            cold = self.graphs_seen and not proposal.graph and not mixed
+            # a step priced as a graph whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`):
+            # its cost is the line's eager term, not what its arm delivers once chosen, so the arm's correction
+            # skips it. Priced eagerly (`cold`), it is what was promised: at 16 requests a chain of 1 whose
+            # shape never compiles was promised 15-20% over plain decoding, ran eagerly below it, and taught
+            # its correction nothing, so it was chosen again at the start of every batch (issue 43)
+            cold = self.graphs_seen and not proposal.graph and not mixed and not last.eager
             # a warm-up step was priced by lines fitted from nothing: a chain of 1 at 16 requests, promised many
             # times what any step delivers, kept a ratio far below 1 for good (a kind learns only when chosen)
             warm_up = self.decisions <= len(self.arms)
@@ -225,21 +238,36 @@ class AdaptivePolicy:
         return self.eager_runs.get((arm, batch), 0) >= HOT_AFTER
 
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
-                mixed: bool = False) -> float:
+                mixed: bool = False, kept: int = 0) -> float:
         """Tokens per second of a step of `batch` requests, `heads` of them drafting from the head, `mixed`
         if some decode plainly while others verify. The head's time: its extension over the drafting
         requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
-        (it extends over a request's rows only when it drafts for it: `adaptive_proposer.Backlog`)."""
+        (it extends over a request's rows only when it drafts for it: `adaptive_proposer.Backlog`); first
+        its catch-up over the `kept` rows of those requests (`_catch_up_seconds`)."""
         seconds = (self._target_seconds(chain_rows, tree_rows, mixed, self.cold(arm, batch))
                    + self.overhead_cost.predict([1.0, batch]))
         if heads:
             seconds += self.draft_cost.predict([1.0, tokens * heads / batch, *self._draft_work(arm, heads)])
+            seconds += self._catch_up_seconds(kept)
         return tokens / max(seconds, 1e-9)
 
+    def _catch_up_seconds(self, kept: int) -> float:
+        """What drafting from the head costs first where it kept rows for those requests: a pass of its own
+        over them. Unpriced, a head step after a stretch of plain steps looked as cheap as one in a run of
+        head steps, and at 4 requests the policy went in and out of a chain of 1 (a few percent faster than
+        plain decoding when run steadily) and ran below plain decoding (issue 43, docs/benchmarks.md
+        "Adaptive speculation by default"). Where the rows are caught up anyway (prefix caching: when the
+        request finishes), only the pass itself is the plan's cost."""
+        if not kept:
+            return 0.0
+        base, per_row = self.catch_up_cost.theta
+        return max(base + (0.0 if self.rows_caught_up_anyway else per_row * kept), 0.0)
+
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
-              found: list[list[int] | None] | None = None, worth: bool = False) -> float:
+              found: list[list[int] | None] | None = None, worth: bool = False, catch_up: bool = False) -> float:
         """Predicted tokens per second of running `arm` with these sources (the lines alone, no optimism);
-        `worth`: the tokens counted by the time they save (`_worth_ratio`)."""
+        `worth`: the tokens counted by the time they save (`_worth_ratio`); `catch_up`: with the head's
+        catch-up over kept rows (the plan's cost; its correction compares the step without it)."""
         gains, chain_rows, tree_rows = [], 0, 0
         for j, (source, st) in enumerate(zip(sources, stats)):
             st = st or self._untried
@@ -256,7 +284,7 @@ class AdaptivePolicy:
                 chain_rows += arm.steps + 1
         plain = sources.count("plain")
         tps = self.predict(arm, len(gains) + sum(gains), chain_rows, tree_rows, sources.count("eagle3"), len(sources),
-                           mixed=0 < plain < len(sources))
+                           mixed=0 < plain < len(sources), kept=kept_rows(sources, stats) if catch_up else 0)
         return tps * self._worth_ratio(gains) if worth else tps
 
     def _worth_ratio(self, gains: list[float]) -> float:
@@ -294,11 +322,12 @@ class AdaptivePolicy:
             heads += source == "eagle3"
         if sources.count("plain") == len(sources):
             return None
-        plan = self._chain_priced(k, sources, gains, heads)
+        kept = kept_rows(sources, stats)
+        plan = self._chain_priced(k, sources, gains, heads, kept)
         if self.ngram and "plain" in sources:  # mixed, it runs eagerly; padded, the step is uniform (a graph)
             pad = self.pad.tokens(k) - 1.0
             padded = self._chain_priced(k, [PAD if s == "plain" else s for s in sources],
-                                        [pad if s == "plain" else g for s, g in zip(sources, gains)], heads)
+                                        [pad if s == "plain" else g for s, g in zip(sources, gains)], heads, kept)
             # where steps run as graphs, never mixed: its step runs eagerly, dearer than the line's eager term
             # says (a row count met for the first time builds its matmul kernels on the spot; in-process traces
             # at 4 requests had eager chain steps at several times a compiled one: docs/benchmarks.md,
@@ -306,10 +335,11 @@ class AdaptivePolicy:
             plan = padded if self.graphs_seen else max(plan, padded, key=lambda p: p.tokens_per_s)
         return plan
 
-    def _chain_priced(self, k: int, sources: list[str], gains: list[float], heads: int) -> Plan:
+    def _chain_priced(self, k: int, sources: list[str], gains: list[float], heads: int, kept: int) -> Plan:
         batch, drafting = len(sources), len(sources) - sources.count("plain")
         plan = Plan(Arm(k), sources)
-        tps = self.predict(Arm(k), batch + sum(gains), batch + drafting * k, 0, heads, batch, mixed=drafting < batch)
+        tps = self.predict(Arm(k), batch + sum(gains), batch + drafting * k, 0, heads, batch, mixed=drafting < batch,
+                           kept=kept)
         plan.tokens_per_s = tps * self._worth_ratio(gains) * self.correction(plan.kind, batch)
         return plan
 
@@ -325,8 +355,8 @@ class AdaptivePolicy:
             plans += filter(None, (self._chain_plan(k, stats, found, lookup_only=True) for k in chains))
         heads = ["plain" if st and st.head_gap else "eagle3" for st in stats]
         if "eagle3" in heads:
-            plans += [Plan(a, heads, self.price(a, heads, stats, worth=True) * self.correction(a.name, batch))
-                      for a in self.tree_tokens]
+            plans += [Plan(a, heads, self.price(a, heads, stats, worth=True, catch_up=True)
+                           * self.correction(a.name, batch)) for a in self.tree_tokens]
         return plans
 
     def _best(self, plans: list[Plan]) -> Plan:
@@ -362,6 +392,7 @@ class AdaptivePolicy:
         plan.sources = [s if s != "eagle3" or not (st and st.head_gap) else "plain"
                         for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too
         plan.raw_tokens_per_s = self.price(plan.arm, plan.sources, stats, found)
+        plan.eager = self.graphs_seen and self.cold(plan.arm, len(stats))
         return plan
 
     def _decide(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
@@ -371,18 +402,32 @@ class AdaptivePolicy:
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
-        plans = self.candidates(stats, found)
-        best = self._best(plans)
         # a step off the best costs a batch of B requests ~B rows of waste, and an arm rarely run may compile
         # a graph: at 16 requests, exploring every 32 decisions cost a visible share of the plain steps it
         # interrupted (docs/benchmarks-journal.md, "Where the adaptive server loses at 16 requests")
-        if self.decisions % (self.explore_every * max(1, batch // 4)):
+        explore = not self.decisions % (self.explore_every * max(1, batch // 4))
+        held, held_batch, plain = self._held
+        if held and held_batch == batch and not explore:
+            self._held = held - 1, batch, plain
+            return Plan(Arm(0), ["plain"] * batch, plain)
+        plans = self.candidates(stats, found)
+        best, plain = self._best(plans), plans[0].tokens_per_s
+        runner_up = max((p.tokens_per_s for p in plans[1:]), default=0.0)
+        self._held = (HOLD_STEPS - 1 if best is plans[0] and runner_up < HOLD * plain else 0), batch, plain
+        if not explore:
             return best
-        near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s]
+        # only arms whose last step at this batch did not run eagerly: an eager step costs several graph
+        # steps (3x plain at 16 requests, traced), and teaches the arm's correction nothing (`learn` skips
+        # cold steps), so exploring one is pure loss; a graph step of the arm, chosen as the best, clears it
+        near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s
+                and not self.eager_runs.get((p.arm, batch))]
         if near:
             return replace(self._rng.choice(near), explored=True)
         k = best.arm.steps if not best.arm.is_tree else self.steps
-        k = self._rng.choice([x for x in (k - 1, k + 1) if 0 <= x <= self.steps])
+        ks = [x for x in (k - 1, k + 1) if 0 <= x <= self.steps and not self.eager_runs.get((Arm(x), batch))]
+        if not ks:
+            return best
+        k = self._rng.choice(ks)
         return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats], explored=True)
 
     def describe(self) -> str:
@@ -391,6 +436,12 @@ class AdaptivePolicy:
         look = " ".join(f"{r:.2f}" for r in self.lookup.rates())
         top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
         return f"policy: chose {top}; eagle3 acceptance {rates}; ngram {look}"
+
+
+def kept_rows(sources: list[str], stats: list[PerRequest | None]) -> int:
+    """Rows the head kept for the requests drafting from it: its catch-up before it drafts for them."""
+    return sum(st.backlog.rows for source, st in zip(sources, stats)
+               if source == "eagle3" and st is not None and st.backlog is not None)
 
 
 def stats(seq, steps: int) -> PerRequest:

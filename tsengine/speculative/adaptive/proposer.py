@@ -20,12 +20,13 @@ IDLE = 0.02  # seconds between steps (beyond the forward) past which the engine 
 
 class AdaptiveProposer(Proposer):
     """The head extends over a request's committed rows when it drafts for it, and keeps their target
-    features until then (`Backlog`)."""
+    features until then (`Backlog`); with prefix caching, also over its prompt and when it finishes
+    (`_covered_now`)."""
 
     def __init__(self, eagle, ngram, *, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
-                 seed: int = 0):
-        self.inner, self.ngram = eagle, ngram
-        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed)
+                 seed: int = 0, prefix_caching: bool = False):
+        self.inner, self.ngram, self.prefix_caching = eagle, ngram, prefix_caching
+        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed, rows_caught_up_anyway=prefix_caching)
         self._done_at: float | None = None  # when the last step's drafting ended
 
     def adaptive_policy(self) -> AdaptivePolicy:
@@ -86,7 +87,7 @@ class AdaptiveProposer(Proposer):
             backlog = self._backlog(c)
             if backlog is not None:
                 full = proposal.aux is None or backlog.rows + len(c.rows) > BACKLOG_ROWS
-                (now if c.seq in heads or full else keep).append(c)
+                (now if c.seq in heads or full or self._covered_now(c) else keep).append(c)
         self._keep(keep, proposal.aux)
         if not now:
             return [None] * len(need), 0, 0.0
@@ -98,6 +99,15 @@ class AdaptiveProposer(Proposer):
         got = self.inner.propose(step, only=flags, **shape) or [None] * len(flags)
         by_seq = dict(zip(step.drafting, got))
         return [by_seq.get(seq) for seq in need], sum(len(c.rows) for c in now), catch_up
+
+    def _covered_now(self, c: Committed) -> bool:
+        """With prefix caching, the head extends over a prefill chunk's rows and a finishing request's last
+        rows (with its backlog) at once: a block gets its prefix-cache key only once the head covers it
+        (tsengine/cache/prefix_cache.py), and a request the head never drafted for was otherwise never cached.
+        A server whose policy chose plain decoding then ran with no prefix hits at all, at 0.86-0.88x the
+        plain server with repeated prompts (docs/benchmarks.md, "Adaptive speculation by default"). Prompt
+        blocks so keyed serve concurrent requests as a plain server's do; a finished request's, the next turn."""
+        return self.prefix_caching and (c.start < c.seq.prompt_len or not c.drafts_next)
 
     def _backlog(self, c: Committed) -> Backlog | None:
         """The rows the head has yet to extend over before run `c`, or None where it cannot (a hole: marked
@@ -142,7 +152,9 @@ class AdaptiveProposer(Proposer):
         self.inner.propose(Proposal(runs=behind, aux=torch.cat(parts)), steps=0)
         if parts[0].is_cuda:
             torch.cuda.synchronize()  # a host sync, on purpose: the catch-up is timed apart from the plan
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.policy.catch_up_cost.update([1.0, at], seconds)  # priced into the plan that triggers the next one
+        return seconds
 
 
 @dataclass
