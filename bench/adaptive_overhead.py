@@ -32,13 +32,13 @@ from engine_speed import val_prompts
 
 
 def forced_plain(llm) -> None:
-    from tsengine.speculative.adaptive.policy import Arm, Plan
+    from tsengine.speculative.adaptive.plan import Arm, Plan
 
     llm.engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(0), ["plain"] * len(stats))
 
 
 def forced_chain(llm, k: int) -> None:
-    from tsengine.speculative.adaptive.policy import Arm, Plan
+    from tsengine.speculative.adaptive.plan import Arm, Plan
 
     llm.engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(k), ["eagle3"] * len(stats))
 

@@ -232,7 +232,7 @@ def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, h
     """Adaptive speculation pads the windows of requests it does not draft for (`PAD`, tsengine/speculative/
     adaptive.py) so a chain step stays uniform: forced plans of one request drafting from the head and two
     padded run through the target's graph once hot, and the greedy tokens are plain decoding's."""
-    from tsengine.speculative.adaptive.policy import PAD, Arm, Plan
+    from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
 
     prompts, params = PROMPTS[:3], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in _llm(tiny_dirs, True).generate(prompts, params)]

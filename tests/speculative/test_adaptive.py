@@ -19,7 +19,9 @@ from tsengine.entrypoints.openai.prometheus import PrometheusMetrics
 from tsengine.errors import UserError
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
-from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan, stats
+from tsengine.speculative.adaptive.estimates import stats
+from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
+from tsengine.speculative.adaptive.policy import AdaptivePolicy
 from tsengine.speculative.adaptive.proposer import AdaptiveProposer
 from tsengine.speculative.drafts import Committed, Proposal
 

@@ -11,7 +11,8 @@ from tsengine.model.graphs import HOT_AFTER
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
-from tsengine.speculative.adaptive.policy import HOLD, HOLD_STEPS, MARGIN, PAD, AdaptivePolicy, Arm, Plan
+from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
+from tsengine.speculative.adaptive.policy import HOLD, HOLD_STEPS, MARGIN, AdaptivePolicy
 from tsengine.speculative.adaptive.proposer import Backlog, known_remaining
 from tsengine.speculative.drafts import Proposal
 

@@ -179,3 +179,10 @@ class Correction:
                 return 1.0
             sums = self.sums[kind, min(known, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
         return sums[0] / sums[1]
+
+
+def stats(seq, steps: int) -> PerRequest:
+    """The request's adaptive record, made on first use."""
+    if seq.spec_stats is None:
+        seq.spec_stats = PerRequest(steps)
+    return seq.spec_stats

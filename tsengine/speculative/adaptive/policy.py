@@ -13,7 +13,9 @@ docs/design/adaptive.md. In short:
   together with none queued: speculation must be predicted `MARGIN` faster than plain.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`adaptive_proposer.Backlog`), so plain steps carry no upkeep.
-- Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up.
+- Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
+  not last seen running eagerly at that batch. Plain decoding far ahead (`HOLD`) is held a few decisions
+  without pricing the candidates.
 
 Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's
 (tests/speculative/test_adaptive.py forces random plans through `AdaptivePolicy.choose`).
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tsengine.model.graphs import HOT_AFTER
 from tsengine.speculative.adaptive.estimates import (
@@ -33,7 +35,9 @@ from tsengine.speculative.adaptive.estimates import (
     MeanTokens,
     PerRequest,
     RunningMean,
+    stats,
 )
+from tsengine.speculative.adaptive.plan import PAD, Arm, Plan, kept_rows
 from tsengine.speculative.drafts import Proposal
 
 SMALL_TREE = (3, 2, 6)
@@ -44,58 +48,6 @@ TOGETHER = 8  # steps apart requests may have started and still end together (ch
 # batch size are plain without pricing the candidates (`_decide`). Pricing them every step cost a visible share
 # of a plain step at 4 and 16 requests (issue 43), and estimates move little over steps that verify nothing.
 HOLD, HOLD_STEPS = 1 / 1.1, 4
-# A request with nothing worth drafting inside a chain step drafts its last token repeated (`PAD`) where that
-# makes the step uniform: a step mixing plain decodes with verify windows runs eagerly (tsengine/model/graphs.py),
-# and at 4 requests a round whose chain steps left half their requests plain ran well below plain, where the
-# fixed chain of 1 ran above it (measured: docs/benchmarks-journal.md, "The head extends lazily: all four levels").
-# Only where drafts without a q can be verified (not under the rejection rule, where `ngram` is off too).
-PAD = "pad"
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One way to run a step: a chain of `steps` drafts (0: plain), or a tree (topk > 1) of `nodes`."""
-
-    steps: int = 0
-    topk: int = 1
-    nodes: int = 0
-
-    @property
-    def is_tree(self) -> bool:
-        return self.topk > 1
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.steps, self.topk, self.nodes
-
-    @property
-    def name(self) -> str:
-        return (f"tree {self.steps}x{self.topk}x{self.nodes}" if self.is_tree
-                else f"chain {self.steps}" if self.steps else "plain")
-
-
-@dataclass
-class Plan:
-    """The decision for one step: the arm, and per drafting request its source (eagle3, ngram, PAD or plain)."""
-
-    arm: Arm
-    sources: list[str]
-    tokens_per_s: float = 0.0  # predicted, corrected by what the arm delivered (`Correction`)
-    raw_tokens_per_s: float = 0.0  # predicted by the lines alone
-    explored: bool = False  # chosen to explore (or the warm-up), not as the predicted best
-    eager: bool = False  # priced as a step that runs eagerly (`AdaptivePolicy.cold`), not as a graph
-
-    @property
-    def eagle(self) -> list[bool]:
-        return [s == "eagle3" for s in self.sources]
-
-    @property
-    def kind(self) -> str:
-        """The arm, and for a chain its main source: prompt lookup and the head deliver differently."""
-        lookup = self.sources.count("ngram") > self.sources.count("eagle3")
-        return self.arm.name + (" ngram" if lookup and not self.arm.is_tree else "")
-
-
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
                  explore_every: int = 32, seed: int = 0, rows_caught_up_anyway: bool = False):
@@ -436,16 +388,3 @@ class AdaptivePolicy:
         look = " ".join(f"{r:.2f}" for r in self.lookup.rates())
         top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
         return f"policy: chose {top}; eagle3 acceptance {rates}; ngram {look}"
-
-
-def kept_rows(sources: list[str], stats: list[PerRequest | None]) -> int:
-    """Rows the head kept for the requests drafting from it: its catch-up before it drafts for them."""
-    return sum(st.backlog.rows for source, st in zip(sources, stats)
-               if source == "eagle3" and st is not None and st.backlog is not None)
-
-
-def stats(seq, steps: int) -> PerRequest:
-    """The request's adaptive record, made on first use."""
-    if seq.spec_stats is None:
-        seq.spec_stats = PerRequest(steps)
-    return seq.spec_stats

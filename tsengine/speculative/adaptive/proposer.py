@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tsengine.model import compile_worker
-from tsengine.speculative.adaptive.policy import PAD, AdaptivePolicy, Arm, Plan, stats
+from tsengine.speculative.adaptive.estimates import stats
+from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
+from tsengine.speculative.adaptive.policy import AdaptivePolicy
 from tsengine.speculative.drafts import Committed, Proposal, Proposer
 
 BACKLOG_ROWS = 512  # target-feature rows a request keeps between head drafts (3.5 MB for SmolLM2 in fp32)
