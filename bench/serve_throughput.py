@@ -88,12 +88,16 @@ def server_rows(args) -> list[tuple[str, list[str]]]:
             mode = ["--speculative-config", args.adaptive_config] if args.adaptive_config else []
             rows.append((f"adaptive (0..{max(args.chains)})", [*eagle, "--speculative-num-steps",
                          str(max(args.chains)), *mode, *shlex.split(args.adaptive_flags)]))
+        if args.forced_plain:  # bench/forced_plain_server.py: the adaptive server, always deciding plain
+            rows.append(("adaptive, forced plain", [*eagle, "--speculative-num-steps", str(max(args.chains))]))
     return rows
 
 
-def start_server(args, spec: list[str]) -> dict:
+def start_server(args, name: str, spec: list[str]) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "tsengine.entrypoints.cli", "serve", "--model", args.target, "--port", str(port),
+    forced = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forced_plain_server.py")
+    entry = [forced] if name == "adaptive, forced plain" else ["-m", "tsengine.entrypoints.cli"]
+    cmd = [sys.executable, *entry, "serve", "--model", args.target, "--port", str(port),
            "--served-model-name", MODEL, "--max-num-seqs", str(max(args.levels)),
            # every server is up at once, so each gets a bounded KV cache (the default sizes it for the whole
            # context of every request: ~4 GiB for SmolLM2 at 64 requests, five of which exhaust 24 GiB)
@@ -187,7 +191,7 @@ def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
         for r in range(args.rounds):
             k = r % len(servers)
             for s in servers[k:] + servers[:k]:
-                before = policy_counts(s["base"]) if s["name"].startswith("adaptive") else None
+                before = policy_counts(s["base"]) if s["name"].startswith("adaptive (") else None
                 graphs_before = compiled_graphs(s["base"])
                 res = asyncio.run(level(s["base"], prompts, c, n, args.max_tokens))
                 res["compiles"] = int(compiled_graphs(s["base"]) - graphs_before)  # each stalls the round
@@ -218,7 +222,7 @@ def summarize(args, names: list[str], raw: list[dict]) -> dict[str, dict[int, di
             tau = f"{m['tau']:.2f}" if m["tau"] else "-"
             ratio = m["tok_s"] / med["plain"][c]["tok_s"]
             print(f"| {name} | {c} | {m['tok_s']:.1f} | {m['min']:.1f}–{m['max']:.1f} | {tau} | {ratio:.2f}x |")
-    adaptive = [n for n in names if n.startswith("adaptive")]
+    adaptive = [n for n in names if n.startswith("adaptive")]  # not a fixed row: the forced-plain one neither
     if adaptive:
         print()
         for c in args.levels:
@@ -263,6 +267,8 @@ def main() -> None:
     ap.add_argument("--adaptive-config", help="JSON for the adaptive server's --speculative-config "
                     "(instead of the default flags; keys it shares with the row's flags must agree)")
     ap.add_argument("--adaptive-flags", default="", help="extra flags for the adaptive server (one string)")
+    ap.add_argument("--forced-plain", action="store_true", help="add the adaptive server with its policy forced "
+                    "to decode plainly (bench/forced_plain_server.py): what the machinery costs on plain steps")
     ap.add_argument("--kv-cache-memory", type=int, default=10**9,
                     help="KV cache bytes per server (1 GB holds 64 requests of ~300 tokens; with 2 GB, five "
                     "servers held ~21 of 24 GiB and rounds of one server varied up to 2x)")
@@ -280,7 +286,7 @@ def main() -> None:
     servers = []
     try:
         for name, spec in server_rows(args):
-            servers.append({"name": name, **start_server(args, spec)})
+            servers.append({"name": name, **start_server(args, name, spec)})
         wait_healthy(servers)
         for s in servers:  # the compiled step graphs (one per batch bucket, window and context) and the
             if args.no_warmup:  # adaptive cost model are ready before the timed rounds
