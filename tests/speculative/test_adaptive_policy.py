@@ -346,18 +346,22 @@ def test_plain_decoding_far_ahead_is_held_a_few_steps_without_pricing():
 def test_exploration_skips_arms_whose_last_step_at_this_batch_ran_eagerly():
     """An exploration step on an arm that runs eagerly costs several graph steps and teaches its correction
     nothing (cold steps are skipped): exploring picks only arms not last seen eager at this batch, and with
-    none such it runs the best plan."""
+    none such it runs the best plan, until a graph compiles (it may be the arm's: then it is explored)."""
     p = trained_policy(draft_step_seconds=0.002, accepted=2)
     p.explore_every = 1  # every decision explores
     best = p._best(p.candidates([None] * 4, [None] * 4)).arm
     explored = {p.choose([None] * 4, [None] * 4).arm for _ in range(40)}
     assert len(explored) > 1 and best in (Arm(2), Arm(3))  # runners-up get explored
+    eager = Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.02, graph=False, tokens=4)
     for arm in p.arms:
         if arm != best:
-            p.eager_runs[arm, 4] = 1
+            p.last = Plan(arm, ["eagle3" if arm.steps else "plain"] * 4)
+            p.learn(eager)
     for _ in range(40):
         assert p.choose([None] * 4, [None] * 4).arm == best
     assert {p.choose([None] * 2, [None] * 2).arm for _ in range(40)} != {best}  # another batch: explored
+    p.compiled += 1  # a graph compiled since those eager steps
+    assert {p.choose([None] * 4, [None] * 4).arm for _ in range(40)} != {best}
 
 
 def test_where_steps_run_as_graphs_no_step_mixes_plain_and_drafting_requests():

@@ -79,6 +79,10 @@ class AdaptivePolicy:
         # steps that heat it: at one request the policy settled on the chain of 1 that heated first
         # (`cold`).
         self.eager_runs: dict[tuple[Arm, int], int] = {}
+        # graphs compiled so far in this process (the proposer sets it every step), and its value when each
+        # (arm, batch) last ran eagerly: exploration retries such an arm only once a graph has compiled since
+        self.compiled = 0
+        self._eager_at: dict[tuple[Arm, int], int] = {}
         # the head's time (extension + drafting), learned from steps that draft from it (no other step does
         # head work); prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
@@ -130,6 +134,7 @@ class AdaptivePolicy:
             if last.sources and not mixed:
                 key = last.arm, len(last.sources)
                 self.eager_runs[key] = 0 if proposal.graph else self.eager_runs.get(key, 0) + 1
+                self._eager_at[key] = self.compiled
             # a step priced as a graph whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`):
             # its cost is the line's eager term, not what its arm delivers once chosen, so the arm's correction
             # skips it. Priced eagerly (`cold`), it is what was promised: at 16 requests a chain of 1 whose
@@ -368,19 +373,25 @@ class AdaptivePolicy:
         self._held = (HOLD_STEPS - 1 if best is plans[0] and runner_up < HOLD * plain else 0), batch, plain
         if not explore:
             return best
-        # only arms whose last step at this batch did not run eagerly: an eager step costs several graph
-        # steps (3x plain at 16 requests, traced), and teaches the arm's correction nothing (`learn` skips
-        # cold steps), so exploring one is pure loss; a graph step of the arm, chosen as the best, clears it
         near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s
-                and not self.eager_runs.get((p.arm, batch))]
+                and self._explorable(p.arm, batch)]
         if near:
             return replace(self._rng.choice(near), explored=True)
         k = best.arm.steps if not best.arm.is_tree else self.steps
-        ks = [x for x in (k - 1, k + 1) if 0 <= x <= self.steps and not self.eager_runs.get((Arm(x), batch))]
+        ks = [x for x in (k - 1, k + 1) if 0 <= x <= self.steps and self._explorable(Arm(x), batch)]
         if not ks:
             return best
         k = self._rng.choice(ks)
         return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats], explored=True)
+
+    def _explorable(self, arm: Arm, batch: int) -> bool:
+        """Worth an exploration step: the arm's last step at this batch ran through a graph, or a graph has
+        compiled since it ran eagerly (its own shape, heated by its eager steps, may be the one: the step
+        that finds it compiled prices the arm as a graph again). Otherwise it would run eagerly, at up to
+        10 plain steps' time at 16 requests (traced: 647 ms for a chain of 3 against 58 ms), teaching its
+        correction nothing (`learn` skips a step priced as a graph that ran eagerly)."""
+        key = arm, batch
+        return not self.eager_runs.get(key) or self.compiled > self._eager_at.get(key, -1)
 
     def describe(self) -> str:
         """The periodic log line's part: estimates and what was chosen."""

@@ -39,6 +39,7 @@ class AdaptiveProposer(Proposer):
         policy.learn(proposal)
         between = self._between(proposal)
         need = proposal.drafting
+        policy.compiled = compile_worker.WORKER.compiled
         t0 = time.perf_counter()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
         remaining = [known_remaining(seq) for seq in need]
