@@ -14,8 +14,8 @@ docs/design/adaptive.md. In short:
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`adaptive_proposer.Backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
-  not last seen running eagerly at that batch. Plain decoding far ahead (`HOLD`) is held a few decisions
-  without pricing the candidates.
+  not last seen running eagerly at that batch (unless a graph has compiled since). Plain decoding far ahead
+  (`HOLD`) is held a few decisions without pricing the candidates.
 
 Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's
 (tests/speculative/test_adaptive.py forces random plans through `AdaptivePolicy.choose`).
@@ -48,6 +48,8 @@ TOGETHER = 8  # steps apart requests may have started and still end together (ch
 # batch size are plain without pricing the candidates (`_decide`). Pricing them every step cost a visible share
 # of a plain step at 4 and 16 requests (issue 43), and estimates move little over steps that verify nothing.
 HOLD, HOLD_STEPS = 1 / 1.1, 4
+
+
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
                  explore_every: int = 32, seed: int = 0, rows_caught_up_anyway: bool = False):
