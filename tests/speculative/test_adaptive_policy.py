@@ -360,6 +360,10 @@ def test_exploration_skips_arms_whose_last_step_at_this_batch_ran_eagerly():
     for _ in range(40):
         assert p.choose([None] * 4, [None] * 4).arm == best
     assert {p.choose([None] * 2, [None] * 2).arm for _ in range(40)} != {best}  # another batch: explored
+    for arm in p.arms:
+        del p.eager_runs[arm, 5]  # never run at 5 requests: not explored (no graph holds a shape never met)
+    five = p._best(p.candidates([None] * 5, [None] * 5)).arm
+    assert {p.choose([None] * 5, [None] * 5).arm for _ in range(40)} == {five}
     p.compiled += 1  # a graph compiled since those eager steps
     assert {p.choose([None] * 4, [None] * 4).arm for _ in range(40)} != {best}
 

@@ -389,11 +389,15 @@ class AdaptivePolicy:
     def _explorable(self, arm: Arm, batch: int) -> bool:
         """Worth an exploration step: the arm's last step at this batch ran through a graph, or a graph has
         compiled since it ran eagerly (its own shape, heated by its eager steps, may be the one: the step
-        that finds it compiled prices the arm as a graph again). Otherwise it would run eagerly, at up to
-        10 plain steps' time at 16 requests (traced: 647 ms for a chain of 3 against 58 ms), teaching its
-        correction nothing (`learn` skips a step priced as a graph that ran eagerly)."""
+        that finds it compiled prices the arm as a graph again). Otherwise, or never run at this batch (no
+        graph can hold a shape never met), it would run eagerly, at up to 10 plain steps' time at 16
+        requests (traced: 647 ms for a chain of 3 met for the first time, against 58 ms), teaching its
+        correction nothing (`learn` skips a step priced as a graph that ran eagerly). An arm never run at a
+        batch starts there only when chosen as the best: its steps in a row heat its shape."""
         key = arm, batch
-        return not self.eager_runs.get(key) or self.compiled > self._eager_at.get(key, -1)
+        if key not in self.eager_runs:
+            return False
+        return not self.eager_runs[key] or self.compiled > self._eager_at[key]
 
     def describe(self) -> str:
         """The periodic log line's part: estimates and what was chosen."""
