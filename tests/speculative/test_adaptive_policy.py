@@ -285,6 +285,7 @@ def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
         p.last = Plan(Arm(1), ["eagle3"] * 4)
         p.learn(eager)
     assert p.cold(Arm(1), 4) and not p.cold(Arm(1), 2) and not p.cold(Arm(0), 4)
+    assert p.cold(Arm(1), 3)  # 3 requests pad to the graph of 4: the same record
     assert p.choose([None] * 4, [None] * 4).arm == Arm(0)
     p.learn(Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.012, graph=True, tokens=6))
     assert not p.cold(Arm(1), 4)
@@ -361,7 +362,7 @@ def test_exploration_skips_arms_whose_last_step_at_this_batch_ran_eagerly():
         assert p.choose([None] * 4, [None] * 4).arm == best
     assert {p.choose([None] * 2, [None] * 2).arm for _ in range(40)} != {best}  # another batch: explored
     for arm in p.arms:
-        del p.eager_runs[arm, 5]  # never run at 5 requests: not explored (no graph holds a shape never met)
+        del p.eager_runs[arm, 8]  # never run at 5..8 requests: not explored (no graph holds a shape never met)
     five = p._best(p.candidates([None] * 5, [None] * 5)).arm
     assert {p.choose([None] * 5, [None] * 5).arm for _ in range(40)} == {five}
     p.compiled += 1  # a graph compiled since those eager steps

@@ -27,7 +27,7 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-from tsengine.model.graphs import HOT_AFTER
+from tsengine.model.graphs import BATCH_BUCKETS, HOT_AFTER, bucket
 from tsengine.speculative.adaptive.estimates import (
     Acceptance,
     Correction,
@@ -73,13 +73,13 @@ class AdaptivePolicy:
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
         self.one_row = RunningMean()
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
-        # (arm, batch) -> its uniform decode steps in a row that ran eagerly (0: its last one ran through a
-        # compiled graph). A shape compiles only once hot (tsengine/model/graphs.py `Heat`), so an arm chosen now
-        # and then (a chain at 16 requests) runs eagerly every time it is chosen: priced as a graph step, such
-        # steps cost the adaptive server several plain steps each (docs/benchmarks.md, "Adaptive speculation by
-        # default"). Priced eagerly from its first step on, an arm that wins only as a graph never got the
-        # steps that heat it: at one request the policy settled on the chain of 1 that heated first
-        # (`cold`).
+        # (arm, graph batch bucket: `shape_key`) -> its uniform decode steps in a row that ran eagerly (0: its
+        # last one ran through a compiled graph). A shape compiles only once hot (tsengine/model/graphs.py
+        # `Heat`), so an arm chosen now and then (a chain at 16 requests) runs eagerly every time it is chosen:
+        # priced as a graph step, such steps cost the adaptive server several plain steps each
+        # (docs/benchmarks.md, "Adaptive speculation by default"). Priced eagerly from its first step on, an
+        # arm that wins only as a graph never got the steps that heat it: at one request the policy settled
+        # on the chain of 1 that heated first (`cold`).
         self.eager_runs: dict[tuple[Arm, int], int] = {}
         # graphs compiled so far in this process (the proposer sets it every step), and its value when each
         # (arm, batch) last ran eagerly: exploration retries such an arm only once a graph has compiled since
@@ -134,7 +134,7 @@ class AdaptivePolicy:
             last = self.last
             mixed = 0 < last.sources.count("plain") < len(last.sources)
             if last.sources and not mixed:
-                key = last.arm, len(last.sources)
+                key = shape_key(last.arm, len(last.sources))
                 self.eager_runs[key] = 0 if proposal.graph else self.eager_runs.get(key, 0) + 1
                 self._eager_at[key] = self.compiled
             # a step priced as a graph whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`):
@@ -194,7 +194,7 @@ class AdaptivePolicy:
         exploration step finds it compiled later. Priced eagerly from its first step on, an arm that wins only
         as a graph never got those steps (at one request, the chain of 1 heated first and the longer chains,
         faster as graphs, were never chosen again)."""
-        return self.eager_runs.get((arm, batch), 0) >= HOT_AFTER
+        return self.eager_runs.get(shape_key(arm, batch), 0) >= HOT_AFTER
 
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
                 mixed: bool = False, kept: int = 0) -> float:
@@ -394,7 +394,7 @@ class AdaptivePolicy:
         requests (traced: 647 ms for a chain of 3 met for the first time, against 58 ms), teaching its
         correction nothing (`learn` skips a step priced as a graph that ran eagerly). An arm never run at a
         batch starts there only when chosen as the best: its steps in a row heat its shape."""
-        key = arm, batch
+        key = shape_key(arm, batch)
         if key not in self.eager_runs:
             return False
         return not self.eager_runs[key] or self.compiled > self._eager_at[key]
@@ -405,3 +405,12 @@ class AdaptivePolicy:
         look = " ".join(f"{r:.2f}" for r in self.lookup.rates())
         top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
         return f"policy: chose {top}; eagle3 acceptance {rates}; ngram {look}"
+
+
+def shape_key(arm: Arm, batch: int) -> tuple[Arm, int]:
+    """The arm at the batch size its step's graph is padded to (tsengine/model/graphs.py `BATCH_BUCKETS`): the
+    sizes of one bucket share a graph, so they share its eager record. Keyed by the exact size, a server
+    whose batch filled up over its first steps met a chain of 1 "for the first time" at 9, 10, ... 16
+    requests, ran each eagerly, and lost 2-6% of a round at 16 requests (issue 43)."""
+    return arm, bucket(batch, BATCH_BUCKETS) or batch
+
