@@ -32,6 +32,7 @@ import time
 import httpx
 
 MODEL = "bench"  # the served model name (every server gets --served-model-name MODEL)
+FORCED_PLAIN = "adaptive, forced plain"  # the row bench/forced_plain_server.py serves
 
 
 def free_port() -> int:
@@ -89,14 +90,14 @@ def server_rows(args) -> list[tuple[str, list[str]]]:
             rows.append((f"adaptive (0..{max(args.chains)})", [*eagle, "--speculative-num-steps",
                          str(max(args.chains)), *mode, *shlex.split(args.adaptive_flags)]))
         if args.forced_plain:  # bench/forced_plain_server.py: the adaptive server, always deciding plain
-            rows.append(("adaptive, forced plain", [*eagle, "--speculative-num-steps", str(max(args.chains))]))
+            rows.append((FORCED_PLAIN, [*eagle, "--speculative-num-steps", str(max(args.chains))]))
     return rows
 
 
 def start_server(args, name: str, spec: list[str]) -> dict:
     port = free_port()
     forced = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forced_plain_server.py")
-    entry = [forced] if name == "adaptive, forced plain" else ["-m", "tsengine.entrypoints.cli"]
+    entry = [forced] if name == FORCED_PLAIN else ["-m", "tsengine.entrypoints.cli"]
     cmd = [sys.executable, *entry, "serve", "--model", args.target, "--port", str(port),
            "--served-model-name", MODEL, "--max-num-seqs", str(max(args.levels)),
            # every server is up at once, so each gets a bounded KV cache (the default sizes it for the whole

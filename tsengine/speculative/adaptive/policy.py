@@ -397,7 +397,7 @@ class AdaptivePolicy:
         key = shape_key(arm, batch)
         if key not in self.eager_runs:
             return False
-        return not self.eager_runs[key] or self.compiled > self._eager_at[key]
+        return not self.eager_runs[key] or self.compiled > self._eager_at.get(key, -1)
 
     def describe(self) -> str:
         """The periodic log line's part: estimates and what was chosen."""
