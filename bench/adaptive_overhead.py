@@ -80,7 +80,7 @@ def traced(llm) -> dict:
     catch_up = proposer._catch_up
 
     def caught_up(runs):  # the head's catch-up over rows kept while it did not draft: rows and seconds
-        rows = sum(c.seq.spec_stats.backlog.rows for c in runs)
+        rows = sum(c.seq.head_backlog.rows for c in runs)
         seconds = catch_up(runs)
         row = trace["  head catch-up (rows in column 2)"]
         row[0], row[1], row[2] = row[0] + 1, row[1] + rows, row[2] + seconds

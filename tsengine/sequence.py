@@ -23,6 +23,23 @@ if TYPE_CHECKING:
 _ids = itertools.count()
 
 
+@dataclass
+class Backlog:
+    """Target features of positions [start, start + rows) the EAGLE-3 head has not extended over yet.
+    Adaptive speculation extends it over a request's rows only when it drafts for it (its plain steps pay
+    no head upkeep: tsengine/speculative/adaptive/proposer.py), and the prefix cache keeps a finished
+    request's backlog with its blocks, so a later hit catches the head up only when it is used
+    (tsengine/cache/prefix_cache.py)."""
+
+    start: int
+    parts: list = field(default_factory=list)  # [rows, A] tensors of target features, in position order
+    rows: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -49,6 +66,7 @@ class Sequence:
     ngram: "NgramIndex | None" = None  # prompt lookup's index of this request's tokens (NGRAM, adaptive)
     spec_stats: object = None  # adaptive speculation's acceptance counts for this request (adaptive/policy.py)
     draft_cached: int = 0  # positions [0, draft_cached) hold the EAGLE-3 head's committed KV (<= num_cached)
+    head_backlog: "Backlog | None" = None  # target features of positions from draft_cached the head has yet to cover
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks (prefix_cache.py)
     num_keyed: int = 0  # positions whose blocks have their prefix-cache key
 
@@ -71,4 +89,5 @@ class Sequence:
         """Recompute later: KV dropped, the tokens so far become the prefix to prefill again."""
         self.status, self.num_cached, self.drafts = Status.WAITING, 0, None
         self.draft_cached = self.num_keyed = 0
+        self.head_backlog = None
         self.num_preempted += 1

@@ -19,6 +19,7 @@ from tsengine.engine.core import Engine
 from tsengine.entrypoints.engine_args import add_engine_args, engine_config
 from tsengine.entrypoints.llm import LLM
 from tsengine.sampling_params import SamplingParams
+from tsengine.sequence import Backlog, Sequence
 
 SYSTEM = list(range(100, 123))  # a 23-token "system prompt": 5 full blocks of 4 and a partial one
 FIRST_TURN = [SYSTEM + [5, 6, 7], SYSTEM + [8, 9], SYSTEM + [5, 6, 7, 1, 2, 3, 4, 5], [7, 8, 9]]
@@ -197,6 +198,57 @@ def test_block_manager_keeps_cached_blocks_until_it_needs_them():
     bm.grow(c, 4)  # evicts block 1, the only free one: its key goes with it
     assert c == [0, 1] and bm.cached(b"k1") is None and bm.evictions == 1
     bm.check([b, c])
+
+
+def finished_with_head_behind(cache: prefix_cache.PrefixCache, tokens: list[int], head_at: int) -> Sequence:
+    """A request whose target computed all but its last token and whose head covers [0, head_at), the rest
+    kept as features (each row: its position, 2 values), released as a finished one."""
+    seq = Sequence("r", tokens, SamplingParams(max_tokens=1), 0)
+    cache.blocks.grow(seq.table, len(tokens))
+    seq.num_cached, seq.draft_cached = len(tokens) - 1, head_at
+    rows = seq.num_cached - head_at
+    seq.head_backlog = Backlog(head_at, [torch.arange(head_at, seq.num_cached).float()[:, None].repeat(1, 2)], rows)
+    cache.release(seq)
+    cache.blocks.release(seq.table)
+    return seq
+
+
+def test_head_rows_pending_are_kept_with_their_blocks_within_their_budget():
+    """A finished request whose head is behind: its blocks past the head's cover are keyed with the kept
+    features (`Pending`), a hit starts the head where it stopped with those features as its backlog, and
+    past the budget the least recently kept go, their keys with them (last blocks first)."""
+    row = 2 * 4  # one row's features: 2 fp32 values
+    cache = prefix_cache.PrefixCache(BlockManager(16, 4), b"root", drafter_kv=True, pending_bytes=6 * row)
+    finished_with_head_behind(cache, list(range(13)), head_at=6)  # 3 full blocks; the head covers 6 rows
+    assert [p.start for p in cache.pending.values()] == [8, 6]  # block 2 (the last) first: dropped first
+    assert cache.pending_size == 6 * row
+    again = Sequence("s", list(range(13)) + [50], SamplingParams(max_tokens=1), 0)
+    hits = cache.lookup(again)
+    assert len(hits) == 3
+    cache.admit(again, hits)
+    assert (again.num_cached, again.draft_cached) == (12, 6)
+    backlog = again.head_backlog
+    assert (backlog.start, backlog.rows) == (6, 6)
+    assert torch.cat(backlog.parts)[:, 0].tolist() == list(range(6, 12))
+    cache.release(again, keep=False)
+    cache.blocks.release(again.table)
+    finished_with_head_behind(cache, [7] * 9, head_at=0)  # 2 more pending blocks: 8 rows over the budget of 6
+    assert cache.pending_size <= 6 * row
+    # dropped, oldest first: the first request's pending blocks 2 and 1, then the new one's last block
+    assert [p.start for p in cache.pending.values()] == [0]
+    assert len(cache.lookup(Sequence("t", [7] * 9 + [1], SamplingParams(max_tokens=1), 0))) == 1
+    assert len(cache.lookup(Sequence("u", list(range(13)), SamplingParams(max_tokens=1), 0))) == 1  # complete
+    cache.blocks.check([])
+
+
+def test_a_hit_never_runs_past_a_pending_block_into_one_that_is_not():
+    """The head can catch up over pending rows only in order: a complete block after a pending one (its
+    head KV computed over another prefix's head rows) ends the hit there."""
+    cache = prefix_cache.PrefixCache(BlockManager(16, 4), b"root", drafter_kv=True, pending_bytes=1 << 20)
+    seq = finished_with_head_behind(cache, list(range(13)), head_at=4)
+    keys = seq.block_keys
+    del cache.pending[keys[2]]  # as if block 2 were keyed complete
+    assert len(cache.lookup(Sequence("s", list(range(13)), SamplingParams(max_tokens=1), 0))) == 2
 
 
 def test_flag_pair_and_metrics(tiny_dirs):

@@ -239,7 +239,7 @@ def test_a_chain_step_padded_for_its_plain_requests_takes_the_graph(tiny_dirs, h
     spec = {"method": "auto", "model": str(heads["llama"]), "num_speculative_tokens": 1}
     llm = _llm(tiny_dirs, False, spec, max_num_seqs=3)
     e = llm.engine
-    e.proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(1),
+    e.proposer.policy.choose = lambda st, found, remaining=None, queued=0, kept=None: Plan(Arm(1),
                                                                                 ["eagle3"] + [PAD] * (len(st) - 1))
     graph_steps, propose = [], e.proposer.propose
 

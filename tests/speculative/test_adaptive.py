@@ -43,7 +43,7 @@ def random_plans(policy: AdaptivePolicy, rng: random.Random):
     """A `choose` that ignores every estimate: a random arm, and per request a random source among those
     it has (prompt lookup only where its tokens offer a continuation; a padded chain anywhere)."""
 
-    def choose(stats, found, remaining=None, queued=0):
+    def choose(stats, found, remaining=None, queued=0, kept=None):
         arm = rng.choice(policy.arms)
         if arm.is_tree or not arm.steps:
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * len(found))
@@ -66,7 +66,7 @@ def test_any_decisions_keep_plain_outputs(tiny_dirs, heads, blocks):
     caught, real_catch_up = [0], proposer._catch_up
 
     def catch_up(runs):  # counts the runs the head extends over with rows kept since it last drafted
-        caught[0] += sum(c.seq.spec_stats.backlog.rows > 0 for c in runs)
+        caught[0] += sum(c.seq.head_backlog.rows > 0 for c in runs)
         return real_catch_up(runs)
 
     proposer._catch_up = catch_up
@@ -196,7 +196,7 @@ class NoLookup:
 
 def forced(proposer: AdaptiveProposer, sources: list[str], steps: int = 1) -> None:
     """Every decision of `proposer` is a chain of `steps` with these per-request sources."""
-    proposer.policy.choose = lambda st, found, remaining=None, queued=0: Plan(Arm(steps), list(sources))
+    proposer.policy.choose = lambda st, found, remaining=None, queued=0, kept=None: Plan(Arm(steps), list(sources))
 
 
 def test_the_head_extends_only_over_requests_it_can_draft_for():
@@ -240,14 +240,14 @@ def test_the_head_extends_over_a_request_when_it_drafts_for_it_and_keeps_its_fea
 
     assert step({"kept": 0, "long": 0}, {"kept": 2, "long": 2}, ["eagle3", "plain"]) == [("kept", 0)]
     assert step({"kept": 2, "long": 2}, {"kept": 1, "long": 4}, ["plain", "ngram"]) == []
-    assert stats(seqs[1], 3).backlog.rows == 6
+    assert seqs[1].head_backlog.rows == 6
     assert step({"kept": 3, "long": 6}, {"kept": 1, "long": 4}, ["plain", "plain"]) == [("long", 0), ("long", 6)]
     assert [e[2] for e in head.extended] == [[[float(p)] * 2 for p in r] for r in (range(6), range(6, 10))]
     assert seqs[1].draft_cached == 10  # 10 kept rows > 6: caught up (the kept ones first), without drafting
     assert step({"kept": 4, "long": 10}, {"kept": 1, "long": 1}, ["plain", "plain"]) == []
     assert step({"kept": 5, "long": 11}, {"kept": 1, "long": 1}, ["eagle3", "plain"]) == [("kept", 2), ("kept", 5)]
     assert [e[2] for e in head.extended] == [[[float(p)] * 2 for p in r] for r in (range(2, 5), [5])]  # kept, own
-    assert seqs[0].draft_cached == 6 and stats(seqs[0], 3).backlog is None and stats(seqs[1], 3).backlog.rows == 2
+    assert seqs[0].draft_cached == 6 and seqs[0].head_backlog is None and seqs[1].head_backlog.rows == 2
     seqs[1].draft_cached = 0  # a recompute of "long" from position 0
     assert step({"kept": 6, "long": 0}, {"kept": 1, "long": 3}, ["eagle3", "eagle3"]) == [("kept", 6), ("long", 0)]
     assert not stats(seqs[1], 3).head_gap and seqs[1].draft_cached == 3
@@ -276,6 +276,51 @@ def test_requests_the_head_never_drafts_for_are_prefix_cached_as_in_a_plain_engi
     assert hits >= 20 + 3 * 12 and got_hits == hits, (got_hits, hits)  # the system prompt, and every first turn
 
 
+def test_a_finished_requests_head_rows_wait_for_a_next_turn_that_drafts(tiny_dirs, heads):
+    """With the policy choosing plain decoding, a finishing request costs no head pass: its blocks are keyed
+    with the head's rows pending (tsengine/cache/prefix_cache.py `Pending`). Its next turn hits them as a
+    plain engine would, and drafting from the head there catches up over the kept features: the head's
+    cache over the first turn's blocks is then what an engine whose head drafted every step holds, and the
+    outputs are plain decoding's. (Caught up at finish, the previous version made a pass per request.)"""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = [PROMPTS[0], PROMPTS[1]]
+
+    def run(first_arm: Arm):
+        llm = adaptive_llm(tiny_dirs, heads["llama"])
+        engine, proposer = llm.engine, llm.engine.proposer
+        passes, real_catch_up = [], proposer._catch_up
+        proposer._catch_up = lambda runs: (passes.append(sum(c.seq.head_backlog.rows for c in runs)),
+                                           real_catch_up(runs))[1]
+        proposer.policy.choose = lambda st, *_a, **_k: Plan(first_arm, ["eagle3" if first_arm.steps else "plain"]
+                                                            * len(st))
+        outs = [o.outputs[0].token_ids for o in llm.generate(first, greedy)]
+        at_finish, kept = list(passes), dict(engine.scheduler.prefix.pending)
+        pending = sum(len(p.features) for p in kept.values())  # rows kept with the first turns' blocks
+        proposer.policy.choose = lambda st, *_a, **_k: Plan(Arm(3), ["eagle3"] * len(st))
+        second = [p + out + [11, 12] for p, out in zip(first, outs)]
+        outs += [o.outputs[0].token_ids for o in llm.generate(second, greedy)]
+        prefix = engine.scheduler.prefix
+        turns = [Sequence("x", p, greedy, 0) for p in second]
+        for seq in turns:
+            seq.table = prefix.lookup(seq)
+        return outs, at_finish, pending, passes[len(at_finish):], prefix, engine, turns, kept
+
+    want = [o.outputs[0].token_ids for o in make_llm(tiny_dirs).generate(
+        first + [p + out + [11, 12] for p, out in zip(first, [o.outputs[0].token_ids for o in
+                                                             make_llm(tiny_dirs).generate(first, greedy)])], greedy)]
+    outs, at_finish, pending, later, prefix, engine, turns, kept = run(Arm(0))
+    ref_outs, _, ref_pending, _, ref_prefix, ref_engine, ref_turns, _ = run(Arm(3))
+    assert outs == ref_outs == want
+    assert not any(at_finish) and pending > 0 and ref_pending == 0, (at_finish, pending, ref_pending)
+    assert sum(later) >= pending  # the next turns caught up over the kept rows (and their own) once drafting
+    assert not set(kept) & set(prefix.pending) and prefix.hits == ref_prefix.hits  # covered since: complete
+    for seq, ref in zip(turns, ref_turns):
+        upto = 4 * min(len(seq.table), len(ref.table))
+        assert upto >= len(seq.tokens) // 2
+        torch.testing.assert_close(draft_kv_rows(engine, seq, upto), draft_kv_rows(ref_engine, ref, upto),
+                                   atol=5e-5, rtol=1e-4)
+
+
 def draft_kv_rows(engine, seq, upto: int) -> torch.Tensor:
     """The head's K and V at positions [0, upto) of `seq`, gathered through its block table."""
     k, v = engine.runner.draft_kv
@@ -296,7 +341,7 @@ def test_the_heads_catch_up_holds_what_extending_every_step_holds(tiny_dirs, hea
         engine, policy = llm.engine, llm.engine.proposer.policy
         step_no = [0]
 
-        def choose(stats_, found, remaining=None, queued=0):
+        def choose(stats_, found, remaining=None, queued=0, kept=None):
             if step_no[0] in off_at:
                 return Plan(Arm(0), ["plain"] * len(found))
             return Plan(Arm(3), ["eagle3"] * len(found))

@@ -13,7 +13,7 @@ from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
 from tsengine.speculative.adaptive.policy import HOLD, HOLD_STEPS, MARGIN, AdaptivePolicy
-from tsengine.speculative.adaptive.proposer import Backlog, known_remaining
+from tsengine.speculative.adaptive.proposer import known_remaining
 from tsengine.speculative.drafts import Proposal
 
 
@@ -217,7 +217,7 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
 
 def test_only_steps_that_draft_from_the_head_pay_for_it():
     """Head forwards cost 5 target steps each: plain decoding is chosen and priced as if there were no head
-    (its extension is lazy: adaptive_proposer.Backlog), and so is a step drafting by prompt lookup alone;
+    (its extension is lazy: `Sequence.head_backlog`), and so is a step drafting by prompt lookup alone;
     a request with a hole in the head's cache never gets the head."""
     cheap, dear = trained_policy(draft_step_seconds=0.0005), trained_policy(draft_step_seconds=0.05)
     plain = dear.choose([None] * 4, [None] * 4)
@@ -295,32 +295,25 @@ def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
 def test_drafting_from_the_head_after_plain_steps_is_charged_its_catch_up():
     """The head's catch-up over rows it kept while plain steps ran is a pass of its own, paid by the step
     that next drafts from it: a chain that wins narrowly in a run of head steps loses to plain decoding when
-    it would first catch up over 40 kept rows a request (2 ms + 0.1 ms a row, learned from catch-ups), and
-    wins again once nothing is kept. Where kept rows are caught up anyway (prefix caching, when a request
-    finishes), only the pass is charged."""
-    def policy(anyway: bool):
+    it would first catch up over 40 kept rows a request (2 ms + 0.1 ms a row, learned from catch-ups).
+    Rows kept for requests that do not draft from the head cost the plan nothing."""
+    def policy():  # each decision on its own: plain far ahead would hold the next few (`HOLD`)
         p = trained_policy(draft_step_seconds=0.002, accepted=1)
-        p.rows_caught_up_anyway = anyway
         for rows in range(1, 200, 7):
             p.catch_up_cost.update([1.0, rows], 0.002 + 0.0001 * rows)
         return p
 
-    kept = []
-    for _ in range(4):
-        st = PerRequest(3)
-        st.backlog = Backlog(0, rows=40)
-        kept.append(st)
     fresh = [PerRequest(3) for _ in range(4)]
-    p = policy(anyway=False)
-    assert p.choose(fresh, [None] * 4).arm == Arm(1)
-    assert p.choose(kept, [None] * 4).arm == Arm(0)
-    assert p.price(Arm(1), ["eagle3"] * 4, kept) == p.price(Arm(1), ["eagle3"] * 4, fresh)  # correction's view
-    p, anyway = policy(anyway=False), policy(anyway=True)
-    dear, cheap = (q.price(Arm(1), ["eagle3"] * 4, kept, catch_up=True) for q in (p, anyway))
+    assert policy().choose(fresh, [None] * 4).arm == Arm(1)
+    assert policy().choose(fresh, [None] * 4, kept=[40] * 4).arm == Arm(0)
+    p = policy()
     bare = p.price(Arm(1), ["eagle3"] * 4, fresh, catch_up=True)
-    assert dear < cheap < bare
-    # seconds = tokens / (tokens per second), the same tokens: 160 rows at 0.1 ms against the 2 ms pass
-    assert (1 / dear - 1 / cheap) / (1 / cheap - 1 / bare) == pytest.approx(0.016 / 0.002, rel=0.05)
+    assert p.price(Arm(1), ["eagle3"] * 4, fresh) == bare  # the correction's view: never the catch-up
+    p._kept = [40] * 4
+    dear = p.price(Arm(1), ["eagle3"] * 4, fresh, catch_up=True)
+    assert p.price(Arm(1), ["plain"] * 4, fresh, catch_up=True) == p.price(Arm(1), ["plain"] * 4, fresh)
+    # seconds = tokens / (tokens per second): 160 rows at 0.1 ms and the 2 ms pass, over the same tokens
+    assert 1 / dear - 1 / bare == pytest.approx((0.002 + 0.016) / (4 * p.eagle.tokens(1)), rel=0.05)
 
 
 def test_plain_decoding_far_ahead_is_held_a_few_steps_without_pricing():

@@ -102,11 +102,20 @@ class BlockManager:
             self.ref[b] += 1
         return list(hits)
 
-    def set_key(self, b: int, key: bytes) -> None:
-        """Key a full block whose KV is complete. A key already held by another block (two requests computed
-        the same prefix at once) stays with that block; this one stays unkeyed."""
+    def set_key(self, b: int, key: bytes) -> bool:
+        """Key a full block whose KV is complete; whether it now holds the key. A key already held by another
+        block (two requests computed the same prefix at once) stays with that block; this one stays unkeyed."""
         if b not in self.key_of and key not in self.block_of:
             self.key_of[b], self.block_of[key] = key, b
+        return self.block_of.get(key) == b
+
+    def forget(self, key: bytes) -> None:
+        """Drop a key (what made its block reusable is gone); an idle block goes to the front of the free list."""
+        b = self.block_of.pop(key, None)
+        if b is not None:
+            del self.key_of[b]
+            if b in self.free:
+                self.free.move_to_end(b, last=False)
 
     def check(self, tables: list[list[int]]) -> None:
         """Debug invariant: refcounts equal table membership; free blocks are exactly the unreferenced; the

@@ -17,6 +17,13 @@ What a block's key carries, and why:
 When a block gets its key: once it is full and complete in every cache the engine keeps (the target's
 positions committed, and the head's extension over them done: `Sequence.draft_cached`), after the step's
 commit and drafting, never at schedule time. A failed step therefore never leaves a key on unwritten KV.
+One exception, head rows pending: adaptive speculation extends the head over a request's rows only when it
+drafts for it, keeping their target features meanwhile (`Sequence.head_backlog`). When such a request
+finishes, its blocks the head has not covered are keyed with those features kept beside them (`Pending`,
+within `pending_bytes`, least recently used dropped first, their keys with them); a request that hits them
+starts with the head behind (`draft_cached` at the first pending position) and the features as its
+backlog, so the head catches up only if it drafts for it. Once a hitting request's head has covered a
+pending block, the block is complete (`_settle`).
 
 Requests for the same prefix that arrive together (n > 1 samples, or a burst with one system prompt): the
 first computes it; the others wait in the queue while the next block they need is being computed by a
@@ -30,9 +37,22 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
 
 from tsengine.cache.kv_cache import BlockManager
-from tsengine.sequence import Sequence
+from tsengine.sequence import Backlog, Sequence
+
+PENDING_SHARE, PENDING_MAX = 16, 256 << 20  # features kept for pending head rows: 1/16 of the KV cache, at most 256 MiB
+
+
+def pending_bytes(kv: list) -> int:
+    """The budget for target features kept with blocks whose head rows are pending (`Pending`): a row's
+    features (three target layers) take about a seventh of its KV in SmolLM2's 30 layers, so 1/16 of the
+    cache keeps pending rows for about 40% of its blocks."""
+    return min(sum(k.nbytes + v.nbytes for k, v in kv) // PENDING_SHARE, PENDING_MAX)
 
 
 def salt(*identity: str) -> bytes:
@@ -45,15 +65,27 @@ def block_key(parent: bytes, tokens: list[int], next_token: int) -> bytes:
     return hashlib.blake2b(parent + array("q", [*tokens, next_token]).tobytes(), digest_size=16).digest()
 
 
+@dataclass
+class Pending:
+    """A keyed block whose head rows from `start` on are not computed: their target features."""
+
+    start: int  # the block's first position the head has not covered
+    features: torch.Tensor  # [block end - start, A]
+
+
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, root: bytes, drafter_kv: bool):
+    def __init__(self, blocks: BlockManager, root: bytes, drafter_kv: bool, pending_bytes: int = 0):
         """`drafter_kv`: the proposer keeps per-position KV in the shared tables (EAGLE-3), so a block is
-        complete only when the head has extended over it too."""
+        complete only when the head has extended over it too. `pending_bytes`: the target features kept for
+        blocks keyed with head rows pending (0: none are)."""
         self.blocks, self.root, self.drafter_kv = blocks, root, drafter_kv
         self.block_size = blocks.block_size
         self.computing_by: dict[bytes, int] = {}  # key -> sid of the running request computing that block
         self._promised: dict[int, tuple[int, int]] = {}  # sid -> [first, end) block indices it still promises
         self.queries = self.hits = 0  # prompt tokens looked up / found cached (counted at admission)
+        self.pending: OrderedDict[bytes, Pending] = OrderedDict()  # front: dropped first
+        self.pending_bytes, self.pending_size = pending_bytes, 0
+        self._adopted: dict[int, tuple[int, int]] = {}  # sid -> [first, end) hit blocks with head rows pending
 
     def keys(self, seq: Sequence) -> list[bytes]:
         """The keys of `seq`'s full blocks whose next token is known (extended lazily; tokens only grow)."""
@@ -67,11 +99,13 @@ class PrefixCache:
         """The cached blocks of `seq`'s longest cached prefix (no references taken)."""
         if seq.capture is not None:
             return []
-        hits = []
-        for key in self.keys(seq):
-            b = self.blocks.cached(key)
-            if b is None:
+        hits, bs, behind = [], self.block_size, False
+        for i, key in enumerate(self.keys(seq)):
+            b, pending = self.blocks.cached(key), self.pending.get(key)
+            # past a block with head rows pending, the head can catch up only over blocks wholly pending
+            if b is None or (behind and (pending is None or pending.start != i * bs)):
                 break
+            behind = behind or pending is not None
             hits.append(b)
         return hits
 
@@ -88,6 +122,15 @@ class PrefixCache:
         self.queries += len(seq.tokens)
         self.hits += seq.num_cached
         keys = self.keys(seq)
+        pending = [(i, self.pending[k]) for i, k in enumerate(keys[:len(hits)]) if k in self.pending]
+        if pending:  # the head starts behind: it catches up over the kept features if it drafts for `seq`
+            start = pending[0][1].start
+            features = [p.features for _, p in pending]
+            seq.draft_cached = start
+            seq.head_backlog = Backlog(start, features, seq.num_cached - start)
+            self._adopted[seq.sid] = (pending[0][0], len(hits))
+            for i, _ in reversed(pending):
+                self.pending.move_to_end(keys[i])
         for key in keys[len(hits):]:
             self.computing_by.setdefault(key, seq.sid)
         if len(hits) < len(keys):
@@ -98,8 +141,10 @@ class PrefixCache:
         done = min(seq.num_cached, seq.draft_cached) if self.drafter_kv else seq.num_cached
         keys, bs = self.keys(seq), self.block_size
         for i in range(seq.num_keyed // bs, min(done // bs, len(keys), len(seq.table))):
-            self.blocks.set_key(seq.table[i], keys[i])
+            if self.blocks.set_key(seq.table[i], keys[i]):
+                self._drop(keys[i])  # complete now: a pending entry left from an evicted block is stale
             seq.num_keyed = (i + 1) * bs
+        self._settle(seq)
         # computed in the target: nobody waits on these any more (adaptive speculation keys a decode block only
         self._unpromise(seq, seq.num_cached // bs)  # once its head covers it: a waiting request must not wait for that)
 
@@ -121,5 +166,53 @@ class PrefixCache:
         KV is suspect: `keep` False), and stop promising the blocks it was computing."""
         if keep:
             self.commit(seq)
+            self._keep_pending(seq)
         self._unpromise(seq, len(seq.block_keys))
+        self._adopted.pop(seq.sid, None)
         seq.num_keyed = 0
+
+    def _keep_pending(self, seq: Sequence) -> None:
+        """Key `seq`'s full blocks past what `commit` keyed, whose head rows are pending, with their kept
+        target features (`Sequence.head_backlog`, from `draft_cached` to `num_cached`). Caught up at finish
+        instead, every finished request paid a head pass that only a next turn of its conversation used."""
+        backlog, bs = seq.head_backlog, self.block_size
+        if (not self.pending_bytes or backlog is None or not backlog.rows
+                or (backlog.start, backlog.end) != (seq.draft_cached, seq.num_cached)):
+            return
+        first, end = seq.num_keyed // bs, min(seq.num_cached // bs, len(self.keys(seq)), len(seq.table))
+        if first >= end:
+            return
+        features = torch.cat(backlog.parts)
+        for i in reversed(range(first, end)):  # its last block nearest the front: dropped first
+            key = seq.block_keys[i]
+            if self.blocks.set_key(seq.table[i], key):
+                self._drop(key)
+                start = max(i * bs, backlog.start)
+                kept = Pending(start, features[start - backlog.start:(i + 1) * bs - backlog.start].clone())
+                self.pending[key] = kept
+                self.pending_size += kept.features.nbytes
+        seq.num_keyed = end * bs
+        while self.pending_size > self.pending_bytes:  # least recently used first, its key with it
+            key, dropped = self.pending.popitem(last=False)
+            self.pending_size -= dropped.features.nbytes
+            self.blocks.forget(key)
+
+    def _settle(self, seq: Sequence) -> None:
+        """Hit blocks with head rows pending that `seq`'s head has covered since are complete (the head's
+        KV is written in the shared block itself)."""
+        first, end = self._adopted.get(seq.sid, (0, 0))
+        upto = min(seq.draft_cached // self.block_size, end)
+        if first >= upto:
+            return
+        for i in range(first, upto):
+            if self.blocks.cached(seq.block_keys[i]) == seq.table[i]:
+                self._drop(seq.block_keys[i])
+        if upto >= end:
+            del self._adopted[seq.sid]
+        else:
+            self._adopted[seq.sid] = (upto, end)
+
+    def _drop(self, key: bytes) -> None:
+        kept = self.pending.pop(key, None)
+        if kept is not None:
+            self.pending_size -= kept.features.nbytes

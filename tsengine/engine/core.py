@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tsengine.cache.prefix_cache import PrefixCache
+from tsengine.cache.prefix_cache import PrefixCache, pending_bytes
 from tsengine.cache.prefix_cache import salt as prefix_salt
 from tsengine.config import EngineConfig
 from tsengine.engine.capture import CaptureBuffer, Captured
@@ -83,7 +83,8 @@ class Engine:
         prefix = None
         if config.enable_prefix_caching:
             root = prefix_salt(self.runner.model_path, (s.draft_model_path or "") if s else "", str(self.runner.dtype))
-            prefix = PrefixCache(self.runner.blocks, root, drafter_kv=self.runner.draft_kv is not None)
+            prefix = PrefixCache(self.runner.blocks, root, drafter_kv=self.runner.draft_kv is not None,
+                                 pending_bytes=pending_bytes(self.runner.kv) if self.proposer.adaptive_policy() else 0)
         self.scheduler = Scheduler(self.runner.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    window=s.num_draft_tokens if s else 1, reserve=reserve_slots(s), prefix=prefix)

@@ -76,7 +76,6 @@ class PerRequest:
 
     def __init__(self, steps: int):
         self.head_gap = False  # the head has a hole in this request's positions: it cannot draft for it
-        self.backlog = None  # while the head is off, the target features it will catch up over (adaptive_proposer)
         self.age = 0  # decisions it has been part of (requests that started together have the same age)
         self.hit = {"eagle3": [0.0] * steps, "ngram": [0.0] * steps}
         self.tried = {"eagle3": [0.0] * steps, "ngram": [0.0] * steps}

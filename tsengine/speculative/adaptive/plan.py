@@ -57,7 +57,7 @@ class Plan:
         return self.arm.name + (" ngram" if lookup and not self.arm.is_tree else "")
 
 
-def kept_rows(sources: list[str], stats: list) -> int:
-    """Rows the head kept for the requests drafting from it: its catch-up before it drafts for them."""
-    return sum(st.backlog.rows for source, st in zip(sources, stats)
-               if source == "eagle3" and st is not None and st.backlog is not None)
+def kept_rows(sources: list[str], kept: list[int]) -> int:
+    """Rows the head kept (`kept`, per request) for the requests drafting from it: its catch-up before it
+    drafts for them."""
+    return sum(rows for source, rows in zip(sources, kept) if source == "eagle3")

@@ -12,7 +12,7 @@ docs/design/adaptive.md. In short:
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests that started
   together with none queued: speculation must be predicted `MARGIN` faster than plain.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
-  it, catching up over the rows kept since (`adaptive_proposer.Backlog`), so plain steps carry no upkeep.
+  it, catching up over the rows kept since (`Sequence.head_backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
   not last seen running eagerly at that batch (unless a graph has compiled since). Plain decoding far ahead
   (`HOLD`) is held a few decisions without pricing the candidates.
@@ -52,7 +52,7 @@ HOLD, HOLD_STEPS = 1 / 1.1, 4
 
 class AdaptivePolicy:
     def __init__(self, steps: int, tree: tuple[int, int, int] | None = None, ngram: bool = True,
-                 explore_every: int = 32, seed: int = 0, rows_caught_up_anyway: bool = False):
+                 explore_every: int = 32, seed: int = 0):
         self.draft_len = steps  # the draft length (chain) or depth (tree) chosen for the last step; 0: plain
         self.steps, self.ngram, self.explore_every = steps, ngram, explore_every
         self._together = False  # this decision's requests will end together, and no request waits for a slot
@@ -89,10 +89,9 @@ class AdaptivePolicy:
         # head work); prompt lookup's and the decision's apart (every step pays them)
         self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
         self.overhead_cost = LinearCost(("base", "per_request"))
-        # the head's catch-up over rows kept while it did not draft (a pass of its own: adaptive_proposer), and
-        # whether kept rows are caught up anyway (prefix caching: when the request finishes): `_catch_up_seconds`
+        # the head's catch-up over rows kept while it did not draft (a pass of its own: adaptive_proposer)
         self.catch_up_cost = LinearCost(("base", "per_row"))
-        self.rows_caught_up_anyway = rows_caught_up_anyway
+        self._kept: list[int] = []  # this decision's rows kept per request (`choose`)
         self.decisions, self.last = 0, Plan(Arm(), [])
         self._held = (0, 0, 0.0)  # (plain decisions left unpriced, at this batch size, plain's tokens/s): `HOLD`
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
@@ -201,7 +200,7 @@ class AdaptivePolicy:
         """Tokens per second of a step of `batch` requests, `heads` of them drafting from the head, `mixed`
         if some decode plainly while others verify. The head's time: its extension over the drafting
         requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
-        (it extends over a request's rows only when it drafts for it: `adaptive_proposer.Backlog`); first
+        (it extends over a request's rows only when it drafts for it: `Sequence.head_backlog`); first
         its catch-up over the `kept` rows of those requests (`_catch_up_seconds`)."""
         seconds = (self._target_seconds(chain_rows, tree_rows, mixed, self.cold(arm, batch))
                    + self.overhead_cost.predict([1.0, batch]))
@@ -215,12 +214,8 @@ class AdaptivePolicy:
         over them. Unpriced, a head step after a stretch of plain steps looked as cheap as one in a run of
         head steps, and at 4 requests the policy went in and out of a chain of 1 (a few percent faster than
         plain decoding when run steadily) and ran below plain decoding (issue 43, docs/benchmarks.md
-        "Adaptive speculation by default"). Where the rows are caught up anyway (prefix caching: when the
-        request finishes), only the pass itself is the plan's cost."""
-        if not kept:
-            return 0.0
-        base, per_row = self.catch_up_cost.theta
-        return max(base + (0.0 if self.rows_caught_up_anyway else per_row * kept), 0.0)
+        "Adaptive speculation by default")."""
+        return self.catch_up_cost.predict([1.0, kept]) if kept else 0.0
 
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
               found: list[list[int] | None] | None = None, worth: bool = False, catch_up: bool = False) -> float:
@@ -243,7 +238,7 @@ class AdaptivePolicy:
                 chain_rows += arm.steps + 1
         plain = sources.count("plain")
         tps = self.predict(arm, len(gains) + sum(gains), chain_rows, tree_rows, sources.count("eagle3"), len(sources),
-                           mixed=0 < plain < len(sources), kept=kept_rows(sources, stats) if catch_up else 0)
+                           mixed=0 < plain < len(sources), kept=kept_rows(sources, self._kept) if catch_up else 0)
         return tps * self._worth_ratio(gains) if worth else tps
 
     def _worth_ratio(self, gains: list[float]) -> float:
@@ -281,7 +276,7 @@ class AdaptivePolicy:
             heads += source == "eagle3"
         if sources.count("plain") == len(sources):
             return None
-        kept = kept_rows(sources, stats)
+        kept = kept_rows(sources, self._kept)
         plan = self._chain_priced(k, sources, gains, heads, kept)
         if self.ngram and "plain" in sources:  # mixed, it runs eagerly; padded, the step is uniform (a graph)
             pad = self.pad.tokens(k) - 1.0
@@ -325,10 +320,11 @@ class AdaptivePolicy:
         return best if best.tokens_per_s >= (MARGIN if self._ragged else 1.0) * plans[0].tokens_per_s else plans[0]
 
     def choose(self, stats: list[PerRequest | None], found: list[list[int] | None],
-               remaining: list[int | None] | None = None, queued: int = 0) -> Plan:
+               remaining: list[int | None] | None = None, queued: int = 0, kept: list[int] | None = None) -> Plan:
         """The plan for the next step of these drafting requests (their stats, their n-gram continuation
-        or None, the tokens each will still generate or None where EOS may end it), with `queued` requests
-        waiting for a slot. A test hook may replace it: any plan is lossless.
+        or None, the tokens each will still generate or None where EOS may end it, the rows the head kept for
+        each: its catch-up before it drafts for it), with `queued` requests waiting for a slot. A test hook
+        may replace it: any plan is lossless.
 
         The requests end together (`_together`) when every end is known and they started decoding within
         `TOGETHER` steps of each other (their ages, in decisions, not their remaining tokens: speculation
@@ -336,6 +332,7 @@ class AdaptivePolicy:
         Where any may stop at EOS, each is as likely to be the last, and the expected time a token saves is
         again one token's; where they started apart (a client sending its next request as one ends), the
         next arrival is likely to take a freed slot as a queued request would."""
+        self._kept = kept or [0] * len(stats)
         for st in stats:
             if st is not None:
                 st.age += 1

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from tsengine.model import compile_worker
+from tsengine.sequence import Backlog
 from tsengine.speculative.adaptive.estimates import stats
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
 from tsengine.speculative.adaptive.policy import AdaptivePolicy
@@ -22,13 +22,19 @@ IDLE = 0.02  # seconds between steps (beyond the forward) past which the engine 
 
 class AdaptiveProposer(Proposer):
     """The head extends over a request's committed rows when it drafts for it, and keeps their target
-    features until then (`Backlog`); with prefix caching, also over its prompt and when it finishes
-    (`_covered_now`)."""
+    features until then (`Sequence.head_backlog`); with prefix caching, also over its prompt (`_covered_now`).
+
+    Extended every step instead (the first version), its upkeep (a noticeable share of an eager step at 4
+    requests) was paid by plain steps too, so the policy had to switch the head off where it did not pay,
+    and a request that ran while it was off had a hole in the head's cache and never drafted from it again:
+    at 1 request the head went off and on every few dozen to few hundred decisions (off while prompt lookup
+    found matches), each switch costing it the rest of the request (traced: docs/benchmarks-journal.md,
+    "The head extends lazily: all four levels")."""
 
     def __init__(self, eagle, ngram, *, steps: int, tree: tuple[int, int, int] | None = None, use_ngram: bool = True,
                  seed: int = 0, prefix_caching: bool = False):
         self.inner, self.ngram, self.prefix_caching = eagle, ngram, prefix_caching
-        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed, rows_caught_up_anyway=prefix_caching)
+        self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed)
         self._done_at: float | None = None  # when the last step's drafting ended
 
     def adaptive_policy(self) -> AdaptivePolicy:
@@ -43,8 +49,9 @@ class AdaptiveProposer(Proposer):
         t0 = time.perf_counter()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
         remaining = [known_remaining(seq) for seq in need]
-        plan = (policy.choose([stats(seq, policy.steps) for seq in need], found, remaining, proposal.queued) if need
-                else Plan(Arm(0), []))
+        kept = [seq.head_backlog.rows if seq.head_backlog is not None else 0 for seq in need]
+        plan = (policy.choose([stats(seq, policy.steps) for seq in need], found, remaining, proposal.queued, kept=kept)
+                if need else Plan(Arm(0), []))
         t1, epoch = time.perf_counter(), compile_worker.epoch()
         drafts, extended, catch_up = self._head_drafts(proposal, plan)
         for j, source in enumerate(plan.sources):
@@ -104,24 +111,30 @@ class AdaptiveProposer(Proposer):
         return [by_seq.get(seq) for seq in need], sum(len(c.rows) for c in now), catch_up
 
     def _covered_now(self, c: Committed) -> bool:
-        """With prefix caching, the head extends over a prefill chunk's rows and a finishing request's last
-        rows (with its backlog) at once: a block gets its prefix-cache key only once the head covers it
+        """With prefix caching, the head extends over a prefill chunk's rows at once (with its backlog): a
+        prompt block gets its prefix-cache key while the request runs only once the head covers it
         (tsengine/cache/prefix_cache.py), and a request the head never drafted for was otherwise never cached.
         A server whose policy chose plain decoding then ran with no prefix hits at all, at 0.86-0.88x the
         plain server with repeated prompts (docs/benchmarks.md, "Adaptive speculation by default"). Prompt
-        blocks so keyed serve concurrent requests as a plain server's do; a finished request's, the next turn."""
-        return self.prefix_caching and (c.start < c.seq.prompt_len or not c.drafts_next)
+        blocks so keyed serve concurrent requests as a plain server's do (one extension for all of them). A
+        finishing request's rows stay kept: the prefix cache keys its blocks with them pending, and a later
+        hit catches up only if it drafts from the head. Caught up at finish (the previous version), every
+        finished request paid a head pass over its kept rows, 1.4% of the time at 16 requests, that only a
+        next turn of the conversation ever used."""
+        return self.prefix_caching and c.start < c.seq.prompt_len
 
     def _backlog(self, c: Committed) -> Backlog | None:
         """The rows the head has yet to extend over before run `c`, or None where it cannot (a hole: marked
-        `head_gap` for good). A run starting where the head's KV ends (position 0, a cached prefix, a
-        recompute) starts afresh."""
-        st, seq = stats(c.seq, self.policy.steps), c.seq
+        `head_gap` until it starts afresh). A run starting where the head's KV ends (position 0, a cached
+        prefix, a recompute) starts afresh; one after a prefix hit whose head rows the prefix cache kept
+        pending goes on from the backlog it handed over."""
+        seq, backlog = c.seq, c.seq.head_backlog
         if c.start == seq.draft_cached:
-            st.head_gap, st.backlog = False, Backlog(c.start)
-        elif st.head_gap or st.backlog is None or (st.backlog.start, st.backlog.end) != (seq.draft_cached, c.start):
-            st.head_gap, st.backlog = True, None
-        return st.backlog
+            seq.head_backlog = Backlog(c.start)
+        elif backlog is None or (backlog.start, backlog.end) != (seq.draft_cached, c.start):
+            seq.head_backlog = None
+        stats(seq, self.policy.steps).head_gap = seq.head_backlog is None
+        return seq.head_backlog
 
     @staticmethod
     def _keep(runs: list[Committed], aux) -> None:
@@ -131,7 +144,7 @@ class AdaptiveProposer(Proposer):
             return
         rows = torch.tensor([r for c in runs for r in c.rows], dtype=torch.long).to(aux.device)
         for c, part in zip(runs, aux[rows].split([len(c.rows) for c in runs])):
-            backlog = c.seq.spec_stats.backlog
+            backlog = c.seq.head_backlog
             backlog.parts.append(part)
             backlog.rows += len(c.rows)
 
@@ -143,7 +156,7 @@ class AdaptiveProposer(Proposer):
         (docs/benchmarks-journal.md, "The head extends lazily: all four levels")."""
         behind, parts, at = [], [], 0
         for c in runs:
-            backlog, c.seq.spec_stats.backlog = c.seq.spec_stats.backlog, None
+            backlog, c.seq.head_backlog = c.seq.head_backlog, None
             if backlog.rows:
                 behind.append(Committed(seq=c.seq, start=backlog.start, rows=list(range(at, at + backlog.rows)),
                                         drafts_next=False))
@@ -158,25 +171,6 @@ class AdaptiveProposer(Proposer):
         seconds = time.perf_counter() - t0
         self.policy.catch_up_cost.update([1.0, at], seconds)  # priced into the plan that triggers the next one
         return seconds
-
-
-@dataclass
-class Backlog:
-    """Target features of positions [start, start + rows) the head has not extended over yet: it extends
-    over a request's rows only when it drafts for it. Extended every step instead (the first version), its
-    upkeep (a noticeable share of an eager step at 4 requests) was paid by plain steps too, so the policy
-    had to switch the head off where it did not pay, and a request that ran while it was off had a hole in
-    the head's cache and never drafted from it again: at 1 request the head went off and on every few dozen
-    to few hundred decisions (off while prompt lookup found matches), each switch costing it the rest of the
-    request (traced: docs/benchmarks-journal.md, "The head extends lazily: all four levels")."""
-
-    start: int
-    parts: list = field(default_factory=list)  # [rows, A] tensors of target features, in position order
-    rows: int = 0
-
-    @property
-    def end(self) -> int:
-        return self.start + self.rows
 
 
 def known_remaining(seq) -> int | None:
