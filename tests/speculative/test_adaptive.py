@@ -384,3 +384,21 @@ def test_the_catch_up_is_timed_apart_from_the_plan():
         proposer.propose(Proposal(runs=[Committed(seq=seq, start=start, rows=[0], drafts_next=True)],
                                   aux=torch.zeros(1, 2), decode_rows=1))
     assert seq.draft_cached == 3 and [rows for rows, _ in learned] == [1] and learned[0][1] < 0.04, learned
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_a_catch_up_timed_across_a_compile_teaches_its_line_nothing(monkeypatch, compiling):
+    """A compile shares the cores: a pass of a few rows timed across one took 40-50 ms against 1.5-3, and a
+    few such samples swung the catch-up line to 25 ms a row (in-process, 4 requests)."""
+    from tsengine.model import compile_worker
+
+    if compiling:
+        monkeypatch.setattr(compile_worker, "quiet", lambda start_epoch: False)
+    proposer = AdaptiveProposer(RecordingHead(), NoLookup(), steps=3)
+    seq = Sequence("r", list(range(20)), SamplingParams(max_tokens=8), 0)
+    for start, source in ((0, "plain"), (1, "plain"), (2, "eagle3")):
+        forced(proposer, [source])
+        proposer.propose(Proposal(runs=[Committed(seq=seq, start=start, rows=[0], drafts_next=True)],
+                                  aux=torch.zeros(1, 2), decode_rows=1))
+    assert seq.draft_cached == 3  # caught up either way
+    assert proposer.policy.catch_up_cost.samples == (0 if compiling else 1)

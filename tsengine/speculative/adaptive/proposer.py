@@ -164,12 +164,15 @@ class AdaptiveProposer(Proposer):
                 at += backlog.rows
         if not behind:
             return 0.0
-        t0 = time.perf_counter()
+        t0, epoch = time.perf_counter(), compile_worker.epoch()
         self.inner.propose(Proposal(runs=behind, aux=torch.cat(parts)), steps=0)
         if parts[0].is_cuda:
             torch.cuda.synchronize()  # a host sync, on purpose: the catch-up is timed apart from the plan
         seconds = time.perf_counter() - t0
-        self.policy.catch_up_cost.update([1.0, at], seconds)  # priced into the plan that triggers the next one
+        # priced into the plan that triggers the next one; not where a compile shared the cores: passes of a
+        # few rows timed across one (40-50 ms against 1.5-3) swung the line to 25 ms a row at 4 requests
+        if compile_worker.quiet(epoch):
+            self.policy.catch_up_cost.update([1.0, at], seconds)
         return seconds
 
 
