@@ -155,17 +155,28 @@ def test_what_an_arm_delivers_corrects_its_prediction():
     assert p.correction("chain 1", 4) == p.correction("chain 3 ngram", 4) == 1.0
 
 
-def test_a_one_row_step_is_priced_from_its_own_record():
-    """One row runs another matmul kernel than two or more (tsengine/model/linear.py): here 10 ms, while the line
-    through 2..8-row steps starts at 15 ms. Plain decoding at batch 1 is priced at 10 ms, not 16."""
+def test_a_plain_step_is_priced_from_its_own_record_at_its_batch_bucket():
+    """Plain decoding's step is no point on the line through chain steps: one row runs another matmul kernel
+    than two or more (tsengine/model/linear.py), here 10 ms where the line through 2..8-row steps starts at
+    15 ms; at 4 requests a line fitted from chain steps put plain's 29 ms step at 46 ms and chains ran at
+    0.92x plain through a server. Plain decoding is priced from its own graph steps at each batch bucket
+    (3 requests pad to the graph of 4), learned from the steps it ran."""
     p = AdaptivePolicy(3)
     p.graphs_seen = True
     for _ in range(20):
         for rows in range(2, 9):
             p.target_cost.update([1.0, 0.0, rows, 0.0], 0.015 + 0.001 * rows)
-        p.one_row.observe(0.010)
+        for rows in (8, 12, 16):
+            p.target_cost.update([1.0, 0.0, rows * 4, 0.0], 0.040 + 0.0005 * rows * 4)
+        p.last = Plan(Arm(0), ["plain"])
+        p.learn(Proposal(runs=[], aux=None, decode_rows=1, target_seconds=0.010, graph=True, tokens=1))
+        p.last = Plan(Arm(0), ["plain"] * 4)
+        p.learn(Proposal(runs=[], aux=None, decode_rows=4, target_seconds=0.029, graph=True, tokens=4))
+        p.learn(Proposal(runs=[], aux=None, decode_rows=4, target_seconds=0.090, graph=False, tokens=4))  # eager
     assert p.predict(Arm(0), 1.0, 1, 0, 0, 1) == pytest.approx(100, rel=0.02)
-    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1) == pytest.approx(2 / 0.017, rel=0.02)
+    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1) == pytest.approx(2 / p.target_cost.predict([1.0, 0.0, 2, 0.0]), rel=0.02)
+    assert p.predict(Arm(0), 4.0, 4, 0, 0, 4) == pytest.approx(4 / 0.029, rel=0.02)
+    assert p.predict(Arm(0), 3.0, 3, 0, 0, 3) == pytest.approx(3 / 0.029, rel=0.02)
 
 
 def test_one_wild_prediction_does_not_pin_a_correction():

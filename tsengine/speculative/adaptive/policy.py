@@ -8,7 +8,8 @@ docs/design/adaptive.md. In short:
   the step uniform, `PAD`); the configured tree (and a small one).
 - Prediction: tokens (counted by the time they save where a batch ends together, `_worth_ratio`) over
   seconds (the target's step from a fitted line, eager where the arm's last `HOT_AFTER` steps at this batch
-  ran eagerly, the head's extension and drafting, the rest of the step),
+  ran eagerly, plain decoding's from its own record per batch bucket; the head's extension and drafting;
+  the rest of the step),
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests that started
   together with none queued: speculation must be predicted `MARGIN` faster than plain.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
@@ -66,12 +67,15 @@ class AdaptivePolicy:
         self.pad = Acceptance(steps, prior_rate=0.01)  # `PAD` drafts (a repeated token is sometimes right)
         self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
         # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
-        # eagerly: tsengine/model/graphs.py), and the one-row step apart: it runs MKL's sgemv, the others oneDNN's
-        # packed kernel with a higher floor (tsengine/model/linear.py). An indicator for it in the line was
-        # tried: at batch 1 with the head drafting, one-row steps are rare, and the line's intercept drifted
-        # until plain decoding was predicted far slower than it ran.
+        # eagerly: tsengine/model/graphs.py), and plain decoding's step apart, per graph batch bucket
+        # (`plain_step`): the baseline every plan is weighed against, its step is no point on that line. One
+        # row runs MKL's sgemv, more rows oneDNN's packed kernel with a higher floor (tsengine/model/linear.py):
+        # an indicator for it in the line was tried, and at batch 1 with the head drafting, one-row steps are
+        # rare and the line's intercept drifted until plain decoding was predicted far slower than it ran. At
+        # 4 requests, a line fitted from chain steps put plain's 29 ms step at 46 ms, and chains of 3 ran at
+        # 0.92x plain's speed through a server.
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
-        self.one_row = RunningMean()
+        self.plain_step: dict[int, RunningMean] = {}  # graph batch bucket -> plain decoding's step seconds
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
         # (arm, graph batch bucket: `shape_key`) -> its uniform decode steps in a row that ran eagerly (0: its
         # last one ran through a compiled graph). A shape compiles only once hot (tsengine/model/graphs.py
@@ -122,15 +126,16 @@ class AdaptivePolicy:
             stats(c.seq, self.steps).observe(d.source, drafted, accepted)
         if proposal.target_seconds > 0 and proposal.prefill_rows == 0:  # decode steps only: the choice never
             # changes a step's prefill work, and long prefill rows would pull the decode line off its range
-            if proposal.graph and not self.graphs_seen:  # the eager one-row steps before it were not the norm
-                self.graphs_seen, self.one_row = True, RunningMean()
-            if proposal.decode_rows == 1:
-                if proposal.graph or not self.graphs_seen:
-                    self.one_row.observe(proposal.target_seconds)
-            else:
+            if proposal.graph and not self.graphs_seen:  # the eager plain steps before it were not the norm
+                self.graphs_seen, self.plain_step = True, {}
+            last = self.last
+            plain = proposal.decode_rows == 1 or (not last.arm.steps and proposal.decode_rows == len(last.sources))
+            if plain and (proposal.graph or not self.graphs_seen):
+                size = bucket(proposal.decode_rows, BATCH_BUCKETS) or proposal.decode_rows
+                self.plain_step.setdefault(size, RunningMean()).observe(proposal.target_seconds)
+            if proposal.decode_rows > 1:
                 self.target_cost.update([1.0, float(not proposal.graph), proposal.decode_rows - tree_rows, tree_rows],
                                         proposal.target_seconds)
-            last = self.last
             mixed = 0 < last.sources.count("plain") < len(last.sources)
             if last.sources and not mixed:
                 key = shape_key(last.arm, len(last.sources))
@@ -178,11 +183,15 @@ class AdaptivePolicy:
             return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
         return arm.steps, heads * arm.steps
 
-    def _target_seconds(self, chain_rows: int, tree_rows: int, mixed: bool = False, cold: bool = False) -> float:
-        """The target's step: the one-row step's own mean, else the line (a mixed step runs eagerly, and so
-        does a step whose graph is `cold`)."""
-        if chain_rows + tree_rows == 1 and self.one_row.value is not None:
-            return self.one_row.value
+    def _target_seconds(self, chain_rows: int, tree_rows: int, mixed: bool = False, cold: bool = False,
+                        plain: bool = False) -> float:
+        """The target's step: `plain` decoding's own mean at its batch bucket (`chain_rows` requests) where
+        it runs as a graph, else the line (a mixed step runs eagerly, and so does a step whose graph is
+        `cold`)."""
+        if plain and not cold and not mixed:
+            step = self.plain_step.get(bucket(chain_rows, BATCH_BUCKETS) or chain_rows)
+            if step is not None:
+                return step.value
         eager = mixed or cold or not self.graphs_seen
         return self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
 
@@ -202,7 +211,7 @@ class AdaptivePolicy:
         requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
         (it extends over a request's rows only when it drafts for it: `Sequence.head_backlog`); first
         its catch-up over the `kept` rows of those requests (`_catch_up_seconds`)."""
-        seconds = (self._target_seconds(chain_rows, tree_rows, mixed, self.cold(arm, batch))
+        seconds = (self._target_seconds(chain_rows, tree_rows, mixed, self.cold(arm, batch), plain=not arm.steps)
                    + self.overhead_cost.predict([1.0, batch]))
         if heads:
             seconds += self.draft_cost.predict([1.0, tokens * heads / batch, *self._draft_work(arm, heads)])
@@ -247,7 +256,7 @@ class AdaptivePolicy:
         batch, extra = len(gains), sum(gains)
         if not self._together or extra <= 0:
             return 1.0
-        step = self._target_seconds(batch, 0)
+        step = self._target_seconds(batch, 0, plain=True)
         if step <= 0:
             return 1.0
         row = min(max(self.target_cost.theta[2], 0.0), step / batch)
