@@ -13,7 +13,7 @@ nothing of it is cached beforehand). Reported: median wall time of n samples / m
 Every round starts its chats with its own nonce in the system prompt, so no round reuses another's cache;
 the server order is rotated each round. The first round is a warm-up and not recorded (compiled step graphs).
 
-    python bench/multiturn.py [--draft DIR] [--conversations 8 --turns 4 --max-tokens 64 --rounds 3
+    python bench/multiturn.py [--draft DIR [--adaptive]] [--conversations 8 --turns 4 --max-tokens 64 --rounds 3
         --concurrency 1 --n 4 --json FILE]
 """
 
@@ -47,7 +47,7 @@ def start_server(args, name: str, extra: list[str]) -> dict:
            "--kv-cache-memory", str(args.kv_cache_memory), *extra]
     if args.draft:
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", args.draft,
-                "--speculative-num-steps", str(args.steps), "--no-speculative-adaptive"]
+                "--speculative-num-steps", str(args.steps)] + ([] if args.adaptive else ["--no-speculative-adaptive"])
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=os.environ.copy())
     return {"name": name, "proc": proc, "base": f"http://127.0.0.1:{port}", "cmd": cmd, "log": log}
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", help="EAGLE-3 head for both servers (default: plain decoding)")
     ap.add_argument("--steps", type=int, default=3, help="EAGLE-3 chain length (with --draft)")
+    ap.add_argument("--adaptive", action="store_true", help="with --draft: the default adaptive speculation "
+                    "(--steps its longest chain), not a chain pinned at --steps")
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -367,6 +367,12 @@ class AdaptivePolicy:
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
+        if (self.graphs_seen and (bucket(batch, BATCH_BUCKETS) or batch) not in self.plain_step
+                and self.eager_runs.get(shape_key(Arm(0), batch), 0) < HOT_AFTER):
+            # plain decoding not measured at this batch bucket yet: measured first (its eager steps heat its
+            # shape, whose graph then compiles off the engine thread; exploration finds it compiled). Priced
+            # from the line through chain steps instead, it was never chosen or explored at 4 requests
+            return Plan(Arm(0), ["plain"] * batch, explored=True)
         # a step off the best costs a batch of B requests ~B rows of waste, and an arm rarely run may compile
         # a graph: at 16 requests, exploring every 32 decisions cost a visible share of the plain steps it
         # interrupted (docs/benchmarks-journal.md, "Where the adaptive server loses at 16 requests")
@@ -381,8 +387,8 @@ class AdaptivePolicy:
         self._held = (HOLD_STEPS - 1 if best is plans[0] and runner_up < HOLD * plain else 0), batch, plain
         if not explore:
             return best
-        near = [p for p in plans if p is not best and p.tokens_per_s >= 0.7 * best.tokens_per_s
-                and self._explorable(p.arm, batch)]
+        near = [p for p in plans if p is not best and (p is plans[0] or p.tokens_per_s >= 0.7 * best.tokens_per_s)
+                and self._explorable(p.arm, batch)]  # plain decoding, the baseline, however far behind
         if near:
             return replace(self._rng.choice(near), explored=True)
         k = best.arm.steps if not best.arm.is_tree else self.steps
