@@ -15,8 +15,9 @@ docs/design/adaptive.md. In short:
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`Sequence.head_backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
-  not last seen running eagerly at that batch (unless a graph has compiled since). Plain decoding far ahead
-  (`HOLD`) is held a few decisions without pricing the candidates.
+  not last seen running eagerly at that batch (unless a graph has compiled since), or plain decoding (always
+  a candidate; measured first at each batch bucket). Plain decoding far ahead (`HOLD`) is held a few
+  decisions without pricing the candidates.
 
 Lossless by construction: whatever is chosen, the target verifies it, so the output is plain decoding's
 (tests/speculative/test_adaptive.py forces random plans through `AdaptivePolicy.choose`).
