@@ -211,3 +211,50 @@ def test_graphs_of_a_dropped_engine_are_not_compiled(tiny_dirs, heads, backgroun
     release.set()
     assert WORKER.wait(300)
     assert len(compiled) == 1, compiled  # the one already on the worker when the engine went
+
+
+class _Timed:
+    """A graph whose compile (its first call) only notes when it ran."""
+    state = "new"
+    ran_at: float | None = None
+
+    def __call__(self, *inputs):
+        import time
+
+        self.ran_at = time.monotonic()
+
+
+@pytest.mark.parametrize("wait_s", [5.0, 0.3])
+def test_a_servers_compile_waits_for_an_idle_moment_at_most_its_wait(background, wait_s):
+    """Steps every 20 ms for 1.2 s, a compile queued at their start: it starts once the steps stop (`IDLE_S`
+    later), or once it has waited `idle_wait_s` if that comes first (sustained load still compiles)."""
+    import time
+
+    worker, graph = compile_worker.CompileWorker(), _Timed()
+    worker.idle_wait_s = wait_s
+    worker.busy()
+    start = time.monotonic()
+    worker.submit(graph, (), "timed")
+    while time.monotonic() - start < 1.2:
+        worker.busy()
+        time.sleep(0.02)
+    stopped = time.monotonic()
+    assert worker.wait(30) and graph.state == "ready"
+    if wait_s > 1.2:
+        assert graph.ran_at >= stopped + compile_worker.IDLE_S - 0.05
+    else:
+        assert start + wait_s - 0.05 <= graph.ran_at < stopped
+
+
+def test_offline_engines_compile_at_once(background):
+    """`idle_wait_s` 0 (every engine but a warm server's): a compile starts while steps run."""
+    import time
+
+    worker, graph = compile_worker.CompileWorker(), _Timed()
+    worker.busy()
+    start = time.monotonic()
+    worker.submit(graph, (), "timed")
+    while graph.ran_at is None and time.monotonic() - start < 10:
+        worker.busy()
+        time.sleep(0.02)
+    assert graph.ran_at is not None and graph.ran_at - start < 0.5

@@ -189,6 +189,7 @@ class Engine:
         batch = self.scheduler.schedule(only=solo)
         if not batch:
             return self._idle(solo)
+        compile_worker.WORKER.busy()
         try:  # nothing is committed before the verdicts: a failure here leaves every request as it was
             forward = self.runner.run(batch)
             verdicts = self.verifier.verify(batch, forward)

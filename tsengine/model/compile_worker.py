@@ -23,6 +23,12 @@ How:
 - While a compile runs, step timings say nothing about a plan's cost (the compile shares the cores):
   `epoch()` changes at every compile's start and end and is odd while one runs, so timing consumers (the
   adaptive policy, `metrics.StepClock`) skip those steps.
+- A server's compiles wait for a moment its engine is idle (`IDLE_S` without a step), at most
+  `idle_wait_s` (`SERVER_IDLE_WAIT_S` once the server is warm): a compile shares the cores and the GIL
+  with the steps it overlaps, and an adaptive server whose chains met new shapes under load compiled during
+  timed rounds at 0.8x its speed without one (docs/benchmarks.md, "Adaptive speculation by default").
+  Under sustained load a compile still starts once it has waited that long. Offline engines (`LLM`, the
+  recipe's eval) compile at once: they gain from a graph as soon as it is ready, and are never idle.
 - `TSENGINE_GRAPH_COMPILE=inline` compiles on the caller's thread at once, as before: for tests that must
   prove a graph ran, and benchmarks that time graphs from their first step.
 - The compiled code is cached on disk under the tsengine cache (`use_persistent_cache`), so a restart
@@ -50,6 +56,8 @@ log = logging.getLogger("tsengine")
 MODES = ("background", "inline")
 NICE = 19
 SWITCH_INTERVAL_S = 2e-4  # the GIL's hand-over interval while a compile runs (Python's default: 5 ms)
+IDLE_S = 0.5  # no engine step for this long: the engines are idle, a compile may start
+SERVER_IDLE_WAIT_S = 20.0  # the most a server's compile waits for an idle moment
 
 
 def mode() -> str:
@@ -119,6 +127,12 @@ class CompileWorker:
         self.failed = 0
         self.loaded = 0  # of the compiled, those found in the compile cache on disk (a restart's)
         self._epoch = 0
+        self.idle_wait_s = 0.0  # the most a compile waits for the engines to be idle (0: it starts at once)
+        self.busy_at = 0.0  # when an engine last ran a step (`busy`)
+
+    def busy(self) -> None:
+        """An engine runs a step (called every step: a compile waits for a moment without one)."""
+        self.busy_at = time.monotonic()
 
     def submit(self, graph, inputs: tuple, name: str) -> None:
         """Compile `graph` by calling it once with `inputs` (their KV writes must go to the scratch slot):
@@ -133,7 +147,8 @@ class CompileWorker:
                 _fx_patches_on_the_tracing_thread_only()
                 self._thread = threading.Thread(target=self._run, name="tsengine-compile", daemon=True)
                 self._thread.start()
-        self._queue.put((weakref.ref(graph), inputs, name))  # an engine dropped meanwhile: nothing to compile
+        self._queue.put((weakref.ref(graph), inputs, name, time.monotonic()))  # an engine dropped meanwhile:
+        # nothing to compile
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until no compile is pending (benchmarks, after their warm-up); False on timeout."""
@@ -153,7 +168,8 @@ class CompileWorker:
         inductor.compile_threads = 1
         raise_recompile_limits()
         while True:
-            ref, inputs, name = self._queue.get()
+            ref, inputs, name, queued_at = self._queue.get()
+            self._until_idle(queued_at)
             graph = ref()
             if graph is not None:  # None: its engine is gone (an eval's engine per shape, say)
                 default = sys.getswitchinterval()
@@ -168,6 +184,14 @@ class CompileWorker:
             with self._lock:
                 self.pending -= 1
                 self._lock.notify_all()
+
+    def _until_idle(self, queued_at: float) -> None:
+        """Wait for `IDLE_S` without an engine step, or until `idle_wait_s` after `queued_at`."""
+        while True:
+            now = time.monotonic()
+            if now - self.busy_at >= IDLE_S or now - queued_at >= self.idle_wait_s:
+                return
+            time.sleep(0.05)
 
     def _compile(self, graph, inputs: tuple, name: str) -> None:
         self._epoch += 1

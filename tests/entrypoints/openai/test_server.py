@@ -360,3 +360,17 @@ def test_engine_wide_failure_fails_requests_not_the_server(server):
     wait_idle(server.engine)
     assert httpx.get(server.url + "/health").status_code == 200
     assert server.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_warm_servers_compiles_wait_for_an_idle_moment(tiny_dirs, monkeypatch):
+    """`tsengine serve` builds its engine warm, then makes its compiles wait for a moment it is idle: a
+    compile shares the cores and the GIL with the steps it overlaps (tsengine/model/compile_worker.py)."""
+    from tsengine.entrypoints.openai.app import server_engine
+    from tsengine.entrypoints.openai.settings import ServerSettings
+    from tsengine.model import compile_worker
+
+    monkeypatch.setattr(compile_worker.WORKER, "idle_wait_s", 0.0)
+    config = EngineConfig.make(model=str(tiny_dirs["llama"]), max_model_len=CONTEXT, block_size=4)
+    engine = server_engine(config, ServerSettings(model_name="m", api_key=None))
+    assert engine.max_model_len == CONTEXT
+    assert compile_worker.WORKER.idle_wait_s == compile_worker.SERVER_IDLE_WAIT_S

@@ -140,18 +140,24 @@ def _short(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
+def server_engine(config: EngineConfig, settings: ServerSettings):
+    """The engine as a server runs it: warmed up, then its compiles wait for a moment it is idle
+    (tsengine/model/compile_worker.py `SERVER_IDLE_WAIT_S`)."""
+    from tsengine.engine import Engine
+    from tsengine.model import compile_worker
+
+    engine = Engine(config)
+    if settings.warmup:
+        engine.warm_up()
+    compile_worker.WORKER.idle_wait_s = compile_worker.SERVER_IDLE_WAIT_S
+    return engine
+
+
 def serve(config: EngineConfig, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Build the engine, serve until a signal. Binds loopback unless told otherwise: no key by default."""
-    from tsengine.engine import Engine
     from tsengine.entrypoints.openai.shutdown import run_until_drained
 
-    def build() -> Engine:  # on the engine thread: see async_engine
-        engine = Engine(config)
-        if settings.warmup:
-            engine.warm_up()
-        return engine
-
-    engine = AsyncEngine(build)
+    engine = AsyncEngine(lambda: server_engine(config, settings))  # built on the engine thread: see async_engine
     try:
         run_until_drained(build_app(engine, settings), settings, host, port)
     finally:
