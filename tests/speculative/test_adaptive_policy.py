@@ -12,7 +12,7 @@ from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest, RunningMean
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
-from tsengine.speculative.adaptive.policy import HOLD, HOLD_STEPS, MARGIN, AdaptivePolicy
+from tsengine.speculative.adaptive.policy import EDGE, HOLD, HOLD_STEPS, MARGIN, AdaptivePolicy
 from tsengine.speculative.adaptive.proposer import known_remaining
 from tsengine.speculative.drafts import Proposal
 
@@ -409,6 +409,21 @@ def test_plain_decoding_is_measured_first_at_each_batch_bucket():
     p.last = Plan(Arm(0), ["plain"] * 6)
     p.learn(Proposal(runs=[], aux=None, decode_rows=6, target_seconds=0.0105, graph=True, tokens=6))
     assert p.plain_step[8].value == 0.0105  # a graph step: its record (3..8 requests pad to 8)
+
+
+def test_speculation_must_be_predicted_an_edge_faster_than_plain_decoding():
+    """A chain predicted 1-3% ahead of plain decoding is not worth its switching costs (at 4 requests a
+    server mixing such chains with plain steps ran at 0.97x plain): plain runs below `EDGE`, the chain
+    above it, and `MARGIN` where a batch that started together thins out."""
+    p = AdaptivePolicy(3)
+
+    def best(ahead: float) -> Arm:
+        return p._best([Plan(Arm(0), ["plain"] * 4, 100.0), Plan(Arm(1), ["eagle3"] * 4, 100.0 * ahead)]).arm
+
+    assert 1.0 < EDGE < MARGIN
+    assert best(EDGE - 0.01) == Arm(0) and best(EDGE + 0.001) == Arm(1)
+    p._ragged = True
+    assert best(EDGE + 0.001) == Arm(0) and best(MARGIN + 0.001) == Arm(1)
 
 
 def test_where_steps_run_as_graphs_no_step_mixes_plain_and_drafting_requests():

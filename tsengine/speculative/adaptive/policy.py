@@ -11,7 +11,7 @@ docs/design/adaptive.md. In short:
   ran eagerly, plain decoding's from its own record per batch bucket; the head's extension and drafting;
   the rest of the step),
   corrected by what each kind delivered at this batch bucket (`Correction`). Several requests that started
-  together with none queued: speculation must be predicted `MARGIN` faster than plain.
+  together with none queued: speculation must be predicted `MARGIN` faster than plain, elsewhere `EDGE`.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`Sequence.head_backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
@@ -44,7 +44,11 @@ from tsengine.speculative.drafts import Proposal
 
 SMALL_TREE = (3, 2, 6)
 MIN_GAIN = 0.1  # expected extra tokens below which a request is not worth its draft rows
-MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen
+MARGIN = 1.05  # speculation must be predicted this much faster than plain decoding to be chosen (`_ragged`)
+# ... and this much elsewhere: a step's prediction misses what switching costs around it (eager catch-ups,
+# the steps of an exploration), and at 4 requests a server mixing chains predicted 1-3% ahead with plain
+# steps ran at 0.97x plain where both the pinned chain of 1 and forced plain ran at 0.99-1.02x (issue 43)
+EDGE = 1.03
 TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
 # Plain decoding predicted this much faster than every other plan: the next HOLD_STEPS - 1 decisions at the same
 # batch size are plain without pricing the candidates (`_decide`). Pricing them every step cost a visible share
@@ -324,10 +328,10 @@ class AdaptivePolicy:
         return plans
 
     def _best(self, plans: list[Plan]) -> Plan:
-        """What the policy runs of these (exploration aside): the fastest, if `MARGIN` faster than plain where
-        a ragged finish can cost (several requests that started together, none queued: `choose`)."""
+        """What the policy runs of these (exploration aside): the fastest, if `EDGE` faster than plain, or
+        `MARGIN` where a ragged finish can cost (several requests that started together, none queued: `choose`)."""
         best = max(plans, key=lambda p: p.tokens_per_s)
-        return best if best.tokens_per_s >= (MARGIN if self._ragged else 1.0) * plans[0].tokens_per_s else plans[0]
+        return best if best.tokens_per_s >= (MARGIN if self._ragged else EDGE) * plans[0].tokens_per_s else plans[0]
 
     def choose(self, stats: list[PerRequest | None], found: list[list[int] | None],
                remaining: list[int | None] | None = None, queued: int = 0, kept: list[int] | None = None) -> Plan:
