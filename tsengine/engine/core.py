@@ -125,6 +125,11 @@ class Engine:
         log.info("warmed up in %.1f s%s", time.perf_counter() - t0, "" if done else " (compiles left running)")
         return done
 
+    def compile_when_idle(self) -> None:
+        """From now on a compile waits for a moment the engine is idle, at most `SERVER_IDLE_WAIT_S`
+        (tsengine/model/compile_worker.py): a server's steps keep the cores while it is busy."""
+        compile_worker.WORKER.idle_wait_s = compile_worker.SERVER_IDLE_WAIT_S
+
     # ---- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, capture: bool = False) -> None:
         """`capture`: keep the target features of every position (tsengine/engine/capture.py); needs the engine

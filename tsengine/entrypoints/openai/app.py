@@ -141,15 +141,13 @@ def _short(value, limit: int = 200) -> str:
 
 
 def server_engine(config: EngineConfig, settings: ServerSettings):
-    """The engine as a server runs it: warmed up, then its compiles wait for a moment it is idle
-    (tsengine/model/compile_worker.py `SERVER_IDLE_WAIT_S`)."""
+    """The engine as a server runs it: warmed up, then its compiles wait for a moment it is idle."""
     from tsengine.engine import Engine
-    from tsengine.model import compile_worker
 
     engine = Engine(config)
     if settings.warmup:
         engine.warm_up()
-    compile_worker.WORKER.idle_wait_s = compile_worker.SERVER_IDLE_WAIT_S
+    engine.compile_when_idle()
     return engine
 
 
