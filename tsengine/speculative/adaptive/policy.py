@@ -136,8 +136,8 @@ class AdaptivePolicy:
             last = self.last
             plain = proposal.decode_rows == 1 or (not last.arm.steps and proposal.decode_rows == len(last.sources))
             if plain and (proposal.graph or not self.graphs_seen):
-                size = bucket(proposal.decode_rows, BATCH_BUCKETS) or proposal.decode_rows
-                self.plain_step.setdefault(size, RunningMean()).observe(proposal.target_seconds)
+                step = self.plain_step.setdefault(graph_batch(proposal.decode_rows), RunningMean())
+                step.observe(proposal.target_seconds)
             if proposal.decode_rows > 1:
                 self.target_cost.update([1.0, float(not proposal.graph), proposal.decode_rows - tree_rows, tree_rows],
                                         proposal.target_seconds)
@@ -194,7 +194,7 @@ class AdaptivePolicy:
         it runs as a graph, else the line (a mixed step runs eagerly, and so does a step whose graph is
         `cold`)."""
         if plain and not cold and not mixed:
-            step = self.plain_step.get(bucket(chain_rows, BATCH_BUCKETS) or chain_rows)
+            step = self.plain_step.get(graph_batch(chain_rows))
             if step is not None:
                 return step.value
         eager = mixed or cold or not self.graphs_seen
@@ -372,7 +372,7 @@ class AdaptivePolicy:
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
-        if (self.graphs_seen and (bucket(batch, BATCH_BUCKETS) or batch) not in self.plain_step
+        if (self.graphs_seen and graph_batch(batch) not in self.plain_step
                 and self.eager_runs.get(shape_key(Arm(0), batch), 0) < HOT_AFTER):
             # plain decoding not measured at this batch bucket yet: measured first (its eager steps heat its
             # shape, whose graph then compiles off the engine thread; exploration finds it compiled). Priced
@@ -431,5 +431,10 @@ def shape_key(arm: Arm, batch: int) -> tuple[Arm, int]:
     sizes of one bucket share a graph, so they share its eager record. Keyed by the exact size, a server
     whose batch filled up over its first steps met a chain of 1 "for the first time" at 9, 10, ... 16
     requests, ran each eagerly, and lost 2-6% of a round at 16 requests (issue 43)."""
-    return arm, bucket(batch, BATCH_BUCKETS) or batch
+    return arm, graph_batch(batch)
+
+
+def graph_batch(batch: int) -> int:
+    """The batch size a step of `batch` requests is padded to in its graph (itself past the largest bucket)."""
+    return bucket(batch, BATCH_BUCKETS) or batch
 
