@@ -68,8 +68,8 @@ def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = T
         p.eagle.observe(3, accepted)
     p.eager_runs = {(arm, batch): 0 for arm in p.arms for batch in range(1, 65)}  # every shape compiled
     for size in BATCH_BUCKETS:  # plain decoding measured at every batch bucket (its graph padded to it)
-        p.plain_step[size] = RunningMean()
-        p.plain_step[size].observe(0.010 + row_seconds * size)
+        p.step_seconds[Arm(0), size] = RunningMean()
+        p.step_seconds[Arm(0), size].observe(0.010 + row_seconds * size)
     return p
 
 
@@ -108,7 +108,7 @@ def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_ro
     started apart are counted per token (their slots are taken to be refilled): they draft again. Started
     together, they still end together when speculation has spread their remaining tokens."""
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
-    p.graphs_seen, p.plain_step = False, {}  # eager steps: the others decode plainly rather than pad (see the
+    p.graphs_seen, p.step_seconds = False, {}  # eager steps: the others decode plainly rather than pad (see the
     # test above); plain decoding priced from the line's eager term, as the others are
     good = [PerRequest(3), PerRequest(3)]
     for _ in range(200):
@@ -143,8 +143,9 @@ def test_lookup_alone_wins_where_the_head_accepts_more_but_costs_its_forwards():
 
 
 def test_what_an_arm_delivers_corrects_its_prediction():
-    """The lines say chain 3; its steps keep delivering half the predicted tokens per second (say the head
-    is poor on today's prompts): the policy moves to the next best arm."""
+    """The lines say chain 3; its steps keep delivering 30% of the predicted tokens per second (say the head
+    is poor on today's prompts): one correction serves every chain length drafting from the head
+    (`Plan.family`), so the policy decodes plainly; prompt lookup's chains and trees keep their own."""
     p = trained_policy(draft_step_seconds=0.0005)
     plan = p.choose([None] * 4, [None] * 4)
     assert plan.arm == Arm(3) and plan.raw_tokens_per_s > 0
@@ -152,11 +153,43 @@ def test_what_an_arm_delivers_corrects_its_prediction():
         p.learn_draft(16, plan, 0.002)
         seconds = 0.0116
         p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=seconds, graph=True,
-                         tokens=round(0.5 * plan.raw_tokens_per_s * (seconds + 0.002))))
-    assert p.correction("chain 3", 4) == pytest.approx(0.5, abs=0.05)
+                         tokens=round(0.3 * plan.raw_tokens_per_s * (seconds + 0.002))))
+    assert p.correction("chain", 4) == pytest.approx(0.3, abs=0.05)
+    assert p.choose([None] * 4, [None] * 4).arm == Arm(0)
+    assert p.correction("chain", 16) == p.correction("chain", 4)  # an unseen bucket borrows the nearest's
+    assert p.correction("chain ngram", 4) == p.correction("plain", 4) == 1.0
+
+
+def test_chain_lengths_are_told_apart_by_their_own_steps():
+    """With one correction for all chain lengths, a length is priced from its own graph steps at its batch
+    bucket (`step_seconds`) where it has them. Kept per length, the corrections wandered by ±10% where the
+    lengths differed by 5-10%, and one request's server ran chains of 2 and 1 where 3 was fastest. Here the
+    line says chain 3, but its steps at 4 requests take 30 ms: chain 2 runs there; at 16 requests chain 3,
+    with no steps of its own, is still priced from the line."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    assert p.choose([None] * 4, [None] * 4).arm == Arm(3)
+    for _ in range(5):
+        p.last = Plan(Arm(3), ["eagle3"] * 4)
+        p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.030, graph=True, tokens=12))
+        p.learn(Proposal(runs=[], aux=None, decode_rows=15, target_seconds=0.090, graph=False, tokens=12))  # mixed
+    assert p.step_seconds[Arm(3), 4].value == pytest.approx(0.030)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
-    assert p.correction("chain 3", 16) == p.correction("chain 3", 4)  # an unseen bucket borrows the nearest's
-    assert p.correction("chain 1", 4) == p.correction("chain 3 ngram", 4) == 1.0
+    assert p.choose([None] * 16, [None] * 16).arm == Arm(3)
+
+
+def test_a_step_timed_beside_a_compile_teaches_no_cost():
+    """A compile shares the cores (in-process engines compile at once): a step timed beside one teaches the
+    target's line, the shape's record and the correction nothing. One request's run fitted its line to
+    63 ms + -9 ms a row so, and priced chains of 1 and 2 at half their speed. Acceptance is still learned."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    plan = p.choose([None] * 4, [None] * 4)
+    theta, records, ratio = list(p.target_cost.theta), dict(p.step_seconds), p.correction("chain", 4)
+    p.learn_draft(16, plan, 0.002)
+    p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.5, graph=True, tokens=4), quiet=False)
+    assert p.target_cost.theta == theta and p.step_seconds == records and p.correction("chain", 4) == ratio
+    assert p.eager_runs[Arm(3), 4] == 0  # it ran as a graph all the same
+    p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.5, graph=True, tokens=4))
+    assert p.target_cost.theta != theta and p.step_seconds[Arm(3), 4].value == 0.5
 
 
 def test_a_plain_step_is_priced_from_its_own_record_at_its_batch_bucket():
@@ -194,7 +227,7 @@ def test_one_wild_prediction_does_not_pin_a_correction():
         p.learn_draft(16, plan, 0.002)
         p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.0116, graph=True,
                          tokens=max(1, round(honest * 0.0136))))
-    assert p.correction("chain 3", 4) > 0.8
+    assert p.correction("chain", 4) > 0.8
 
 
 def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
@@ -211,13 +244,13 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
                          tokens=max(1, round(0.3 * plan.raw_tokens_per_s * 0.0136))))
 
     step(graph=False)  # a chain of 3 for all 4 requests is uniform: eager only because it was cold
-    assert p.correction("chain 3", 4) == 1.0
+    assert p.correction("chain", 4) == 1.0
     decisions, p.decisions = p.decisions, len(p.arms)  # the last plan was the warm-up's last
     step(graph=True)
-    assert p.correction("chain 3", 4) == 1.0
+    assert p.correction("chain", 4) == 1.0
     p.decisions = decisions
     step(graph=True)
-    assert p.correction("chain 3", 4) < 1.0
+    assert p.correction("chain", 4) < 1.0
     # priced as the eager step it is (its last HOT_AFTER steps here ran eagerly), an eager step is what was
     # promised: its correction learns from it
     for k in (1, 2, 3):
@@ -225,9 +258,9 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
     plan = p.choose([None] * 4, [None] * 4)
     assert plan.eager == (plan.arm != Arm(0))
     plan = Plan(Arm(3), ["eagle3"] * 4, raw_tokens_per_s=p.price(Arm(3), ["eagle3"] * 4, [None] * 4), eager=True)
-    before = p.correction("chain 3", 4)
+    before = p.correction("chain", 4)
     step(graph=False)
-    assert p.correction("chain 3", 4) < before
+    assert p.correction("chain", 4) < before
 
 
 def test_only_steps_that_draft_from_the_head_pay_for_it():
@@ -397,7 +430,7 @@ def test_plain_decoding_is_measured_first_at_each_batch_bucket():
     first (up to `HOT_AFTER` eager steps, which heat its shape for a compile), however the lines favour
     chains: priced from the line through chain steps, it was never chosen at 4 requests."""
     p = trained_policy(draft_step_seconds=0.002, accepted=1)
-    del p.plain_step[8]
+    del p.step_seconds[Arm(0), 8]
     assert p.choose([None] * 4, [None] * 4).arm == Arm(1)  # measured at 4
     eager = Proposal(runs=[], aux=None, decode_rows=6, target_seconds=0.05, graph=False, tokens=6)
     for _ in range(HOT_AFTER):
@@ -405,10 +438,10 @@ def test_plain_decoding_is_measured_first_at_each_batch_bucket():
         assert plan.arm == Arm(0) and plan.explored
         p.last = plan
         p.learn(eager)  # ran eagerly: no record yet
-    assert 8 not in p.plain_step and p.choose([None] * 6, [None] * 6).arm == Arm(1)
+    assert (Arm(0), 8) not in p.step_seconds and p.choose([None] * 6, [None] * 6).arm == Arm(1)
     p.last = Plan(Arm(0), ["plain"] * 6)
     p.learn(Proposal(runs=[], aux=None, decode_rows=6, target_seconds=0.0105, graph=True, tokens=6))
-    assert p.plain_step[8].value == 0.0105  # a graph step: its record (3..8 requests pad to 8)
+    assert p.step_seconds[Arm(0), 8].value == 0.0105  # a graph step: its record (3..8 requests pad to 8)
 
 
 def test_speculation_must_be_predicted_an_edge_faster_than_plain_decoding():

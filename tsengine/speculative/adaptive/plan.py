@@ -53,8 +53,22 @@ class Plan:
     @property
     def kind(self) -> str:
         """The arm, and for a chain its main source: prompt lookup and the head deliver differently."""
-        lookup = self.sources.count("ngram") > self.sources.count("eagle3")
-        return self.arm.name + (" ngram" if lookup and not self.arm.is_tree else "")
+        return self.arm.name + (" ngram" if self._lookup and not self.arm.is_tree else "")
+
+    @property
+    def family(self) -> str:
+        """What one `Correction` serves: a tree shape, plain decoding, or every chain length of one main
+        source. Kept per chain length (the first version), each length's ratio learned only on the steps it
+        was chosen, a few dozen, and wandered by ±10% where the lengths' speeds differed by 5-10%: at one
+        request the policy ran chains of 2 and 1 where chains of 3 were fastest (in-process, issue 43). The
+        lengths are told apart by their own measured steps (`AdaptivePolicy.step_seconds`) and acceptance."""
+        if self.arm.is_tree or not self.arm.steps:
+            return self.arm.name
+        return "chain" + (" ngram" if self._lookup else "")
+
+    @property
+    def _lookup(self) -> bool:
+        return self.sources.count("ngram") > self.sources.count("eagle3")
 
 
 def kept_rows(sources: list[str], kept: list[int]) -> int:

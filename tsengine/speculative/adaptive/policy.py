@@ -72,15 +72,14 @@ class AdaptivePolicy:
         self.pad = Acceptance(steps, prior_rate=0.01)  # `PAD` drafts (a repeated token is sometimes right)
         self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
         # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
-        # eagerly: tsengine/model/graphs.py), and plain decoding's step apart, per graph batch bucket
-        # (`plain_step`): the baseline every plan is weighed against, its step is no point on that line. One
-        # row runs MKL's sgemv, more rows oneDNN's packed kernel with a higher floor (tsengine/model/linear.py):
-        # an indicator for it in the line was tried, and at batch 1 with the head drafting, one-row steps are
-        # rare and the line's intercept drifted until plain decoding was predicted far slower than it ran. At
-        # 4 requests, a line fitted from chain steps put plain's 29 ms step at 46 ms, and chains of 3 ran at
-        # 0.92x plain's speed through a server.
+        # eagerly: tsengine/model/graphs.py), for shapes without a record of their own; and each uniform plain
+        # or chain step's own record per graph batch bucket (`step_seconds`), which prices that shape where
+        # it exists. The line is not straight: one row runs MKL's sgemv, more rows oneDNN's packed kernel with
+        # a higher floor (tsengine/model/linear.py), and at 4 requests a line fitted from chain steps put
+        # plain's 29 ms step at 46 ms (chains of 3 then ran at 0.92x plain's speed through a server). With one
+        # correction for every chain length (`Plan.family`), lengths are told apart by their own steps.
         self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
-        self.plain_step: dict[int, RunningMean] = {}  # graph batch bucket -> plain decoding's step seconds
+        self.step_seconds: dict[tuple[Arm, int], RunningMean] = {}  # `shape_key` -> the target's step seconds
         self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
         # (arm, graph batch bucket: `shape_key`) -> its uniform decode steps in a row that ran eagerly (0: its
         # last one ran through a compiled graph). A shape compiles only once hot (tsengine/model/graphs.py
@@ -111,8 +110,11 @@ class AdaptivePolicy:
         self._rng = random.Random(seed)
 
     # ---- learning ---------------------------------------------------------------------------------------
-    def learn(self, proposal: Proposal) -> None:
-        """Fold in what the step that just ran showed: its target time and every window's acceptance."""
+    def learn(self, proposal: Proposal, quiet: bool = True) -> None:
+        """Fold in what the step that just ran showed: its target time and every window's acceptance. Not
+        `quiet` (a compile shared the cores during the step), its time teaches nothing: one request's
+        in-process run, compiling beside its steps, fitted the target's line to 63 ms + -9 ms a row and
+        priced chains of 1 and 2 at half their speed."""
         tree_rows = 0
         for c in proposal.runs:
             if c.verified is None or c.seq.drafts is None:
@@ -132,13 +134,12 @@ class AdaptivePolicy:
         if proposal.target_seconds > 0 and proposal.prefill_rows == 0:  # decode steps only: the choice never
             # changes a step's prefill work, and long prefill rows would pull the decode line off its range
             if proposal.graph and not self.graphs_seen:  # the eager plain steps before it were not the norm
-                self.graphs_seen, self.plain_step = True, {}
+                self.graphs_seen, self.step_seconds = True, {}
             last = self.last
-            plain = proposal.decode_rows == 1 or (not last.arm.steps and proposal.decode_rows == len(last.sources))
-            if plain and (proposal.graph or not self.graphs_seen):
-                step = self.plain_step.setdefault(graph_batch(proposal.decode_rows), RunningMean())
-                step.observe(proposal.target_seconds)
-            if proposal.decode_rows > 1:
+            shape = self._uniform_shape(proposal.decode_rows)
+            if quiet and shape is not None and (proposal.graph or not self.graphs_seen):
+                self.step_seconds.setdefault(shape, RunningMean()).observe(proposal.target_seconds)
+            if quiet and proposal.decode_rows > 1:
                 self.target_cost.update([1.0, float(not proposal.graph), proposal.decode_rows - tree_rows, tree_rows],
                                         proposal.target_seconds)
             mixed = 0 < last.sources.count("plain") < len(last.sources)
@@ -156,12 +157,12 @@ class AdaptivePolicy:
             # times what any step delivers, kept a ratio far below 1 for good (a kind learns only when chosen)
             warm_up = self.decisions <= len(self.arms)
             if (last.raw_tokens_per_s > 0 and proposal.tokens and self.last_draft_seconds is not None
-                    and not cold and not warm_up):
+                    and quiet and not cold and not warm_up):
                 seconds = proposal.target_seconds + self.last_draft_seconds
                 # clamped: lines fitted from a handful of steps can promise a million tokens per second, and
                 # one such step would hold a kind's ratio near 0 for a thousand steps
                 promised = min(max(last.raw_tokens_per_s * seconds, proposal.tokens / 4), proposal.tokens * 4)
-                self.correction.observe(last.kind, len(last.sources), proposal.tokens, promised)
+                self.correction.observe(last.family, len(last.sources), proposal.tokens, promised)
 
     def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None,
                     overhead_seconds: float | None = 0.0) -> None:
@@ -188,13 +189,23 @@ class AdaptivePolicy:
             return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
         return arm.steps, heads * arm.steps
 
-    def _target_seconds(self, chain_rows: int, tree_rows: int, mixed: bool = False, cold: bool = False,
-                        plain: bool = False) -> float:
-        """The target's step: `plain` decoding's own mean at its batch bucket (`chain_rows` requests) where
-        it runs as a graph, else the line (a mixed step runs eagerly, and so does a step whose graph is
-        `cold`)."""
-        if plain and not cold and not mixed:
-            step = self.plain_step.get(graph_batch(chain_rows))
+    def _uniform_shape(self, decode_rows: int) -> tuple[Arm, int] | None:
+        """The last step's `shape_key` where it was uniform, a plain or chain step in which every request ran
+        the plan's rows (its record, `step_seconds`, prices that shape); else None."""
+        last, n = self.last, len(self.last.sources)
+        if decode_rows == 1:
+            return shape_key(Arm(0), 1)
+        k = last.arm.steps
+        if n and not last.arm.is_tree and decode_rows == n * (k + 1) and (not k or "plain" not in last.sources):
+            return shape_key(last.arm, n)
+        return None
+
+    def _target_seconds(self, arm: Arm, batch: int, chain_rows: int, tree_rows: int, mixed: bool = False,
+                        cold: bool = False) -> float:
+        """The target's step: the shape's own record (`step_seconds`) where it runs as one, else the line (a
+        mixed step runs eagerly, and so does a step whose graph is `cold`)."""
+        if not mixed and not cold:
+            step = self.step_seconds.get(shape_key(arm, batch))
             if step is not None:
                 return step.value
         eager = mixed or cold or not self.graphs_seen
@@ -216,7 +227,7 @@ class AdaptivePolicy:
         requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
         (it extends over a request's rows only when it drafts for it: `Sequence.head_backlog`); first
         its catch-up over the `kept` rows of those requests (`_catch_up_seconds`)."""
-        seconds = (self._target_seconds(chain_rows, tree_rows, mixed, self.cold(arm, batch), plain=not arm.steps)
+        seconds = (self._target_seconds(arm, batch, chain_rows, tree_rows, mixed, self.cold(arm, batch))
                    + self.overhead_cost.predict([1.0, batch]))
         if heads:
             seconds += self.draft_cost.predict([1.0, tokens * heads / batch, *self._draft_work(arm, heads)])
@@ -261,7 +272,7 @@ class AdaptivePolicy:
         batch, extra = len(gains), sum(gains)
         if not self._together or extra <= 0:
             return 1.0
-        step = self._target_seconds(batch, 0, plain=True)
+        step = self._target_seconds(Arm(0), batch, batch, 0)
         if step <= 0:
             return 1.0
         row = min(max(self.target_cost.theta[2], 0.0), step / batch)
@@ -308,15 +319,15 @@ class AdaptivePolicy:
         plan = Plan(Arm(k), sources)
         tps = self.predict(Arm(k), batch + sum(gains), batch + drafting * k, 0, heads, batch, mixed=drafting < batch,
                            kept=kept)
-        plan.tokens_per_s = tps * self._worth_ratio(gains) * self.correction(plan.kind, batch)
+        plan.tokens_per_s = tps * self._worth_ratio(gains) * self.correction(plan.family, batch)
         return plan
 
     def candidates(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> list[Plan]:
         """Plain decoding first, then the best plan of each chain length and each tree (tokens per second
         predicted with optimism for barely tried sources, and corrected by each arm's record)."""
         batch = len(stats)
-        plain = self.predict(Arm(0), batch, batch, 0, 0, batch) * self.correction("plain", batch)
-        plans = [Plan(Arm(0), ["plain"] * batch, plain)]
+        plans = [Plan(Arm(0), ["plain"] * batch)]
+        plans[0].tokens_per_s = self.predict(Arm(0), batch, batch, 0, 0, batch) * self.correction("plain", batch)
         chains = [a.steps for a in self.arms if a.steps and not a.is_tree]
         plans += filter(None, (self._chain_plan(k, stats, found) for k in chains))
         if any(f is not None for f in found):
@@ -324,7 +335,7 @@ class AdaptivePolicy:
         heads = ["plain" if st and st.head_gap else "eagle3" for st in stats]
         if "eagle3" in heads:
             plans += [Plan(a, heads, self.price(a, heads, stats, worth=True, catch_up=True)
-                           * self.correction(a.name, batch)) for a in self.tree_tokens]
+                           * self.correction(Plan(a, heads).family, batch)) for a in self.tree_tokens]
         return plans
 
     def _best(self, plans: list[Plan]) -> Plan:
@@ -372,7 +383,7 @@ class AdaptivePolicy:
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
-        if (self.graphs_seen and graph_batch(batch) not in self.plain_step
+        if (self.graphs_seen and shape_key(Arm(0), batch) not in self.step_seconds
                 and self.eager_runs.get(shape_key(Arm(0), batch), 0) < HOT_AFTER):
             # plain decoding not measured at this batch bucket yet: measured first (its eager steps heat its
             # shape, whose graph then compiles off the engine thread; exploration finds it compiled). Priced

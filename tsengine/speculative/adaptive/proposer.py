@@ -36,13 +36,14 @@ class AdaptiveProposer(Proposer):
         self.inner, self.ngram, self.prefix_caching = eagle, ngram, prefix_caching
         self.policy = AdaptivePolicy(steps, tree, ngram=use_ngram, seed=seed)
         self._done_at: float | None = None  # when the last step's drafting ended
+        self._epoch = -1  # the compile epoch then (`compile_worker.quiet`: did a compile share the step?)
 
     def adaptive_policy(self) -> AdaptivePolicy:
         return self.policy
 
     def propose(self, proposal: Proposal):
         policy = self.policy
-        policy.learn(proposal)
+        policy.learn(proposal, quiet=compile_worker.quiet(self._epoch))
         between = self._between(proposal)
         need = proposal.drafting
         policy.compiled = compile_worker.WORKER.compiled
@@ -69,7 +70,7 @@ class AdaptiveProposer(Proposer):
             policy.draft_len = plan.arm.steps
             policy.chosen[plan.arm.name] += 1
             policy.drafted_by.update(plan.sources)
-        self._done_at = time.perf_counter()
+        self._done_at, self._epoch = time.perf_counter(), compile_worker.epoch()
         return drafts
 
     def _between(self, proposal: Proposal) -> float | None:
