@@ -90,7 +90,7 @@ def test_the_policy_runs_unforced_and_stays_lossless(tiny_dirs, heads):
     llm = adaptive_llm(tiny_dirs, heads["llama"], tree=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, PARAMS * 2)] == want
     p = llm.engine.proposer.policy
-    assert p.target_cost.samples > 10 and p.draft_cost.samples > 0  # the head learns from its drafting steps only
+    assert p.costs.target.samples > 10 and p.costs.draft.samples > 0  # the head learns from its drafting steps only
     assert sum(p.chosen.values()) == p.decisions
     text = generate_latest(PrometheusMetrics(llm.engine).registry).decode()
     for family in ("spec_decode_draft_length", "spec_decode_acceptance_estimate{position=\"0\",source=\"ngram\"}",
@@ -377,8 +377,8 @@ def test_the_catch_up_is_timed_apart_from_the_plan():
     proposer = AdaptiveProposer(head, NoLookup(), steps=3)
     seq = Sequence("r", list(range(20)), SamplingParams(max_tokens=8), 0)
     learned = []
-    real_update = proposer.policy.draft_cost.update
-    proposer.policy.draft_cost.update = lambda x, y: (learned.append((x[1], y)), real_update(x, y))
+    real_update = proposer.policy.costs.draft.update
+    proposer.policy.costs.draft.update = lambda x, y: (learned.append((x[1], y)), real_update(x, y))
     for start, source in ((0, "plain"), (1, "plain"), (2, "eagle3")):
         forced(proposer, [source])
         proposer.propose(Proposal(runs=[Committed(seq=seq, start=start, rows=[0], drafts_next=True)],
@@ -401,4 +401,4 @@ def test_a_catch_up_timed_across_a_compile_teaches_its_line_nothing(monkeypatch,
         proposer.propose(Proposal(runs=[Committed(seq=seq, start=start, rows=[0], drafts_next=True)],
                                   aux=torch.zeros(1, 2), decode_rows=1))
     assert seq.draft_cached == 3  # caught up either way
-    assert proposer.policy.catch_up_cost.samples == (0 if compiling else 1)
+    assert proposer.policy.costs.catch_up.samples == (0 if compiling else 1)

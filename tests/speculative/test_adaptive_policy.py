@@ -5,11 +5,14 @@ lazy extension) are tests/speculative/test_adaptive.py."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from tsengine.model.graphs import BATCH_BUCKETS, HOT_AFTER
 from tsengine.sampling_params import SamplingParams
 from tsengine.sequence import Sequence
+from tsengine.speculative.adaptive.costs import HEAD_SAMPLES
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest, RunningMean
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
 from tsengine.speculative.adaptive.policy import EDGE, HOLD, HOLD_STEPS, MARGIN, AdaptivePolicy
@@ -56,20 +59,20 @@ def trained_policy(draft_step_seconds: float, accepted: int = 3, ngram: bool = T
     more); drafting `draft_step_seconds` per sequential head forward; the head's drafts accepted `accepted`
     of 3."""
     p = AdaptivePolicy(3, ngram=ngram)
-    p.decisions, p.graphs_seen = 100, True  # past warm-up, not on an exploration step
+    p.decisions, p.costs.graphs_seen = 100, True  # past warm-up, not on an exploration step
     for rows in range(1, 80):
         for eager in (0.0, 1.0):
-            p.target_cost.update([1.0, eager, rows, 0.0], 0.010 + 0.005 * eager + row_seconds * rows)
-        p.target_cost.update([1.0, 0.0, 1, rows * 4], 0.010 + row_seconds + 1.5 * row_seconds * rows * 4)
+            p.costs.target.update([1.0, eager, rows, 0.0], 0.010 + 0.005 * eager + row_seconds * rows)
+        p.costs.target.update([1.0, 0.0, 1, rows * 4], 0.010 + row_seconds + 1.5 * row_seconds * rows * 4)
     for batch in (1, 2, 4, 8):
         for k in range(4):
-            p.draft_cost.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
+            p.costs.draft.update([1.0, batch, k, k * batch], 0.001 + draft_step_seconds * k)
     for _ in range(200):
         p.eagle.observe(3, accepted)
-    p.eager_runs = {(arm, batch): 0 for arm in p.arms for batch in range(1, 65)}  # every shape compiled
+    p.costs.eager_runs = {(arm, batch): 0 for arm in p.arms for batch in range(1, 65)}  # every shape compiled
     for size in BATCH_BUCKETS:  # plain decoding measured at every batch bucket (its graph padded to it)
-        p.step_seconds[Arm(0), size] = RunningMean()
-        p.step_seconds[Arm(0), size].observe(0.010 + row_seconds * size)
+        p.costs.step_seconds[Arm(0), size] = RunningMean()
+        p.costs.step_seconds[Arm(0), size].observe(0.010 + row_seconds * size)
     return p
 
 
@@ -93,7 +96,7 @@ def test_each_request_gets_the_source_that_pays_for_it():
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
     plan = p.choose(stats, found)
     assert plan.arm.steps >= 2 and plan.sources == ["ngram", PAD, PAD, PAD], plan
-    p.graphs_seen = False
+    p.costs.graphs_seen = False
     assert p.choose(stats, found).sources == ["ngram", "plain", "plain", "plain"]
     assert p.price(Arm(3), ["ngram", PAD, PAD, PAD], stats, found) < p.price(Arm(3), ["ngram"] + ["plain"] * 3,
                                                                              stats, found)
@@ -108,8 +111,9 @@ def test_drafting_for_a_few_of_a_batch_that_ends_together_is_worth_only_their_ro
     started apart are counted per token (their slots are taken to be refilled): they draft again. Started
     together, they still end together when speculation has spread their remaining tokens."""
     p = trained_policy(draft_step_seconds=0.0005, accepted=0)
-    p.graphs_seen, p.step_seconds = False, {}  # eager steps: the others decode plainly rather than pad (see the
-    # test above); plain decoding priced from the line's eager term, as the others are
+    # eager steps: the others decode plainly rather than pad (see the test above); plain decoding priced from
+    # the line's eager term, as the others are
+    p.costs.graphs_seen, p.costs.step_seconds = False, {}
     good = [PerRequest(3), PerRequest(3)]
     for _ in range(200):
         for st in good:
@@ -172,9 +176,29 @@ def test_chain_lengths_are_told_apart_by_their_own_steps():
         p.last = Plan(Arm(3), ["eagle3"] * 4)
         p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.030, graph=True, tokens=12))
         p.learn(Proposal(runs=[], aux=None, decode_rows=15, target_seconds=0.090, graph=False, tokens=12))  # mixed
-    assert p.step_seconds[Arm(3), 4].value == pytest.approx(0.030)
+    assert p.costs.step_seconds[Arm(3), 4].value == pytest.approx(0.030)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
     assert p.choose([None] * 16, [None] * 16).arm == Arm(3)
+
+
+def test_the_heads_time_is_priced_from_its_own_steps_at_each_shape():
+    """The head's line is not identifiable where few shapes run, and off them it drifts: a server's priced a
+    chain of 3 for 4 requests at no head time, and the one correction all chain lengths share then kept a
+    chain of 1 that beat plain decoding from running. Each arm's record per batch bucket of the requests it
+    drafts for prices that shape once it has `HEAD_SAMPLES` steps; a median, so the eager steps before its
+    graph compiles leave it alone. Here chain 3's head takes 8 ms (the line says 2.5): chain 2 runs."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    line = p.costs.head(Arm(3), 4, 4)
+    assert line == pytest.approx(0.0025, rel=1e-3) and p.choose([None] * 4, [None] * 4).arm == Arm(3)
+    plan, fitted = Plan(Arm(3), ["eagle3"] * 4), copy.deepcopy(p.costs.draft)
+    for seconds in [0.030, 0.030] + [0.008] * (HEAD_SAMPLES - 3):  # two eager steps, then its graph's
+        p.learn_draft(16, plan, seconds)
+    assert p.costs.head(Arm(3), 4, 4) == p.costs.draft.predict([1.0, 4, 3, 12])  # too few steps yet: the line
+    p.learn_draft(16, plan, 0.008)
+    assert p.costs.head(Arm(3), 4, 4) == p.costs.head(Arm(3), 3, 3) == 0.008  # 3 requests pad to 4
+    assert p.costs.head(Arm(3), 16, 16) != 0.008 and p.costs.head(Arm(2), 4, 4) != 0.008
+    p.costs.draft = fitted  # the line as it was (it learned from these steps too): chain 2 priced as before
+    assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
 
 
 def test_a_step_timed_beside_a_compile_teaches_no_cost():
@@ -183,13 +207,13 @@ def test_a_step_timed_beside_a_compile_teaches_no_cost():
     63 ms + -9 ms a row so, and priced chains of 1 and 2 at half their speed. Acceptance is still learned."""
     p = trained_policy(draft_step_seconds=0.0005)
     plan = p.choose([None] * 4, [None] * 4)
-    theta, records, ratio = list(p.target_cost.theta), dict(p.step_seconds), p.correction("chain", 4)
+    theta, records, ratio = list(p.costs.target.theta), dict(p.costs.step_seconds), p.correction("chain", 4)
     p.learn_draft(16, plan, 0.002)
     p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.5, graph=True, tokens=4), quiet=False)
-    assert p.target_cost.theta == theta and p.step_seconds == records and p.correction("chain", 4) == ratio
-    assert p.eager_runs[Arm(3), 4] == 0  # it ran as a graph all the same
+    assert p.costs.target.theta == theta and p.costs.step_seconds == records and p.correction("chain", 4) == ratio
+    assert p.costs.eager_runs[Arm(3), 4] == 0  # it ran as a graph all the same
     p.learn(Proposal(runs=[], aux=None, decode_rows=16, target_seconds=0.5, graph=True, tokens=4))
-    assert p.target_cost.theta != theta and p.step_seconds[Arm(3), 4].value == 0.5
+    assert p.costs.target.theta != theta and p.costs.step_seconds[Arm(3), 4].value == 0.5
 
 
 def test_a_plain_step_is_priced_from_its_own_record_at_its_batch_bucket():
@@ -199,19 +223,19 @@ def test_a_plain_step_is_priced_from_its_own_record_at_its_batch_bucket():
     0.92x plain through a server. Plain decoding is priced from its own graph steps at each batch bucket
     (3 requests pad to the graph of 4), learned from the steps it ran."""
     p = AdaptivePolicy(3)
-    p.graphs_seen = True
+    p.costs.graphs_seen = True
     for _ in range(20):
         for rows in range(2, 9):
-            p.target_cost.update([1.0, 0.0, rows, 0.0], 0.015 + 0.001 * rows)
+            p.costs.target.update([1.0, 0.0, rows, 0.0], 0.015 + 0.001 * rows)
         for rows in (8, 12, 16):
-            p.target_cost.update([1.0, 0.0, rows * 4, 0.0], 0.040 + 0.0005 * rows * 4)
+            p.costs.target.update([1.0, 0.0, rows * 4, 0.0], 0.040 + 0.0005 * rows * 4)
         p.last = Plan(Arm(0), ["plain"])
         p.learn(Proposal(runs=[], aux=None, decode_rows=1, target_seconds=0.010, graph=True, tokens=1))
         p.last = Plan(Arm(0), ["plain"] * 4)
         p.learn(Proposal(runs=[], aux=None, decode_rows=4, target_seconds=0.029, graph=True, tokens=4))
         p.learn(Proposal(runs=[], aux=None, decode_rows=4, target_seconds=0.090, graph=False, tokens=4))  # eager
     assert p.predict(Arm(0), 1.0, 1, 0, 0, 1) == pytest.approx(100, rel=0.02)
-    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1) == pytest.approx(2 / p.target_cost.predict([1.0, 0.0, 2, 0.0]), rel=0.02)
+    assert p.predict(Arm(1), 2.0, 2, 0, 0, 1) == pytest.approx(2 / p.costs.target.predict([1.0, 0.0, 2, 0.0]), rel=0.02)
     assert p.predict(Arm(0), 4.0, 4, 0, 0, 4) == pytest.approx(4 / 0.029, rel=0.02)
     assert p.predict(Arm(0), 3.0, 3, 0, 0, 3) == pytest.approx(3 / 0.029, rel=0.02)
 
@@ -254,7 +278,7 @@ def test_warm_up_and_cold_eager_steps_leave_corrections_alone():
     # priced as the eager step it is (its last HOT_AFTER steps here ran eagerly), an eager step is what was
     # promised: its correction learns from it
     for k in (1, 2, 3):
-        p.eager_runs[Arm(k), 4] = HOT_AFTER
+        p.costs.eager_runs[Arm(k), 4] = HOT_AFTER
     plan = p.choose([None] * 4, [None] * 4)
     assert plan.eager == (plan.arm != Arm(0))
     plan = Plan(Arm(3), ["eagle3"] * 4, raw_tokens_per_s=p.price(Arm(3), ["eagle3"] * 4, [None] * 4), eager=True)
@@ -323,20 +347,20 @@ def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
     is chosen. After `HOT_AFTER` eager steps in a row with no graph step (chosen too rarely for its shape to
     compile), it is priced with the eager term and plain decoding wins; seen compiled again, the chain is back."""
     p = trained_policy(draft_step_seconds=0.004, accepted=1)
-    p.eager_runs = {}
+    p.costs.eager_runs = {}
     for k in (2, 3):
-        p.eager_runs[Arm(k), 4] = HOT_AFTER
+        p.costs.eager_runs[Arm(k), 4] = HOT_AFTER
     eager = Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.02, graph=False, tokens=6)
     for _ in range(HOT_AFTER):
-        assert not p.cold(Arm(1), 4)
+        assert not p.costs.cold(Arm(1), 4)
         assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
         p.last = Plan(Arm(1), ["eagle3"] * 4)
         p.learn(eager)
-    assert p.cold(Arm(1), 4) and not p.cold(Arm(1), 2) and not p.cold(Arm(0), 4)
-    assert p.cold(Arm(1), 3)  # 3 requests pad to the graph of 4: the same record
+    assert p.costs.cold(Arm(1), 4) and not p.costs.cold(Arm(1), 2) and not p.costs.cold(Arm(0), 4)
+    assert p.costs.cold(Arm(1), 3)  # 3 requests pad to the graph of 4: the same record
     assert p.choose([None] * 4, [None] * 4).arm == Arm(0)
     p.learn(Proposal(runs=[], aux=None, decode_rows=8, target_seconds=0.012, graph=True, tokens=6))
-    assert not p.cold(Arm(1), 4)
+    assert not p.costs.cold(Arm(1), 4)
     assert p.choose([None] * 4, [None] * 4).arm == Arm(1)
 
 
@@ -348,7 +372,7 @@ def test_drafting_from_the_head_after_plain_steps_is_charged_its_catch_up():
     def policy():  # each decision on its own: plain far ahead would hold the next few (`HOLD`)
         p = trained_policy(draft_step_seconds=0.002, accepted=1)
         for rows in range(1, 200, 7):
-            p.catch_up_cost.update([1.0, rows], 0.002 + 0.0001 * rows)
+            p.costs.catch_up.update([1.0, rows], 0.002 + 0.0001 * rows)
         return p
 
     fresh = [PerRequest(3) for _ in range(4)]
@@ -403,10 +427,10 @@ def test_exploration_skips_arms_whose_last_step_at_this_batch_ran_eagerly():
     assert {p.choose([None] * 4, [None] * 4).arm for _ in range(40)} <= {best, Arm(0)}
     assert {p.choose([None] * 2, [None] * 2).arm for _ in range(40)} != {best}  # another batch: explored
     for arm in p.arms:
-        del p.eager_runs[arm, 8]  # never run at 5..8 requests: not explored (no graph holds a shape never met)
+        del p.costs.eager_runs[arm, 8]  # never run at 5..8 requests: not explored (no graph holds a shape never met)
     five = p._best(p.candidates([None] * 5, [None] * 5)).arm
     assert {p.choose([None] * 5, [None] * 5).arm for _ in range(40)} <= {five, Arm(0)}
-    p.compiled += 1  # a graph compiled since those eager steps
+    p.costs.compiled += 1  # a graph compiled since those eager steps
     assert {p.choose([None] * 4, [None] * 4).arm for _ in range(40)} - {best, Arm(0)}
 
 
@@ -421,7 +445,7 @@ def test_plain_decoding_is_explored_after_an_eager_step_and_however_far_behind()
     assert p._best(plans).arm == Arm(1) and plans[0].tokens_per_s < 0.7 * p._best(plans).tokens_per_s
     p.last = Plan(Arm(0), ["plain"] * 4)
     p.learn(Proposal(runs=[], aux=None, decode_rows=4, target_seconds=0.02, graph=False, tokens=4))
-    assert p.eager_runs[Arm(0), 4] == 1
+    assert p.costs.eager_runs[Arm(0), 4] == 1
     assert Arm(0) in {p.choose([None] * 4, [None] * 4).arm for _ in range(40)}
 
 
@@ -430,7 +454,7 @@ def test_plain_decoding_is_measured_first_at_each_batch_bucket():
     first (up to `HOT_AFTER` eager steps, which heat its shape for a compile), however the lines favour
     chains: priced from the line through chain steps, it was never chosen at 4 requests."""
     p = trained_policy(draft_step_seconds=0.002, accepted=1)
-    del p.step_seconds[Arm(0), 8]
+    del p.costs.step_seconds[Arm(0), 8]
     assert p.choose([None] * 4, [None] * 4).arm == Arm(1)  # measured at 4
     eager = Proposal(runs=[], aux=None, decode_rows=6, target_seconds=0.05, graph=False, tokens=6)
     for _ in range(HOT_AFTER):
@@ -438,10 +462,10 @@ def test_plain_decoding_is_measured_first_at_each_batch_bucket():
         assert plan.arm == Arm(0) and plan.explored
         p.last = plan
         p.learn(eager)  # ran eagerly: no record yet
-    assert (Arm(0), 8) not in p.step_seconds and p.choose([None] * 6, [None] * 6).arm == Arm(1)
+    assert (Arm(0), 8) not in p.costs.step_seconds and p.choose([None] * 6, [None] * 6).arm == Arm(1)
     p.last = Plan(Arm(0), ["plain"] * 6)
     p.learn(Proposal(runs=[], aux=None, decode_rows=6, target_seconds=0.0105, graph=True, tokens=6))
-    assert p.step_seconds[Arm(0), 8].value == 0.0105  # a graph step: its record (3..8 requests pad to 8)
+    assert p.costs.step_seconds[Arm(0), 8].value == 0.0105  # a graph step: its record (3..8 requests pad to 8)
 
 
 def test_speculation_must_be_predicted_an_edge_faster_than_plain_decoding():
@@ -470,7 +494,7 @@ def test_where_steps_run_as_graphs_no_step_mixes_plain_and_drafting_requests():
     stats, one = [st] * 4, [[1, 2, 3], None, None, None]
     for graphs in (False, True):
         p = trained_policy(draft_step_seconds=0.0005, accepted=0, row_seconds=0.003)
-        p.graphs_seen = graphs
+        p.costs.graphs_seen = graphs
         mixed = p.price(Arm(3), ["ngram", "plain", "plain", "plain"], stats, one)
         assert mixed > MARGIN * p.candidates(stats, one)[0].tokens_per_s  # priced above plain decoding
         sources = p.choose(stats, one).sources

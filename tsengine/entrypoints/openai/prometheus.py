@@ -72,8 +72,9 @@ def _policy_metrics(policy):
                              "unit): the target's forward, the head's extension and drafting, its catch-up over "
                              "rows kept while it did not draft, and prompt lookup with the decision.",
                              labels=["part", "term"])
-    for part, model in (("target", policy.target_cost), ("draft", policy.draft_cost),
-                        ("catch_up", policy.catch_up_cost), ("overhead", policy.overhead_cost)):
+    costs = policy.costs
+    for part, model in (("target", costs.target), ("draft", costs.draft), ("catch_up", costs.catch_up),
+                        ("overhead", costs.overhead)):
         for term, value in zip(model.names, model.theta):
             cost.add_metric([part, term], value)
     yield cost

@@ -10,11 +10,16 @@
     PerRequest   the same counts for one request, read shrunk towards the global rates: a request is
                  known by its own few steps only as far as they outweigh `shrink` steps of the average.
     MeanTokens   the mean tokens a tree window committed (a tree's acceptance has no per-position form).
-    RunningMean  a decayed mean (the one-row step's seconds, which no line through the others predicts).
+    RunningMean  a decayed mean (a step shape's seconds: `StepCosts.step_seconds`).
+    RecentMedian the median of the last few samples (the head's seconds per shape: a few eager steps among
+                 them, before its graph compiles, leave it alone).
     Correction   per kind of step and batch size, what it delivered against what was predicted for it.
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 
 class LinearCost:
@@ -137,6 +142,22 @@ class RunningMean:
         self.samples += 1
         w = max(self.weight, 1 / self.samples)  # a plain mean until 1/weight samples
         self.value = x if self.value is None else self.value + w * (x - self.value)
+
+
+class RecentMedian:
+    """The median of the last `window` samples (0 samples: None)."""
+
+    def __init__(self, window: int = 15):
+        self.recent: deque[float] = deque(maxlen=window)
+        self.value: float | None = None
+
+    def observe(self, x: float) -> None:
+        self.recent.append(x)
+        self.value = statistics.median(self.recent)
+
+    @property
+    def samples(self) -> int:
+        return len(self.recent)
 
 
 class Correction:

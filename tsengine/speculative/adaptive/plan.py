@@ -44,7 +44,12 @@ class Plan:
     tokens_per_s: float = 0.0  # predicted, corrected by what the arm delivered (`Correction`)
     raw_tokens_per_s: float = 0.0  # predicted by the lines alone
     explored: bool = False  # chosen to explore (or the warm-up), not as the predicted best
-    eager: bool = False  # priced as a step that runs eagerly (`AdaptivePolicy.cold`), not as a graph
+    eager: bool = False  # priced as a step that runs eagerly (`StepCosts.cold`), not as a graph
+
+    @property
+    def mixed(self) -> bool:
+        """Some requests decode plainly while others verify: the step runs eagerly (tsengine/model/graphs.py)."""
+        return 0 < self.sources.count("plain") < len(self.sources)
 
     @property
     def eagle(self) -> list[bool]:
@@ -61,7 +66,7 @@ class Plan:
         source. Kept per chain length (the first version), each length's ratio learned only on the steps it
         was chosen, a few dozen, and wandered by ±10% where the lengths' speeds differed by 5-10%: at one
         request the policy ran chains of 2 and 1 where chains of 3 were fastest (in-process, issue 43). The
-        lengths are told apart by their own measured steps (`AdaptivePolicy.step_seconds`) and acceptance."""
+        lengths are told apart by their own measured steps (`StepCosts.step_seconds`) and acceptance."""
         if self.arm.is_tree or not self.arm.steps:
             return self.arm.name
         return "chain" + (" ngram" if self._lookup else "")

@@ -1,5 +1,6 @@
 """Adaptive speculation: every step, the way of running the next step that maximises its predicted tokens per
-second, from acceptance and costs measured while serving (`estimates.py`); the plan is run by `proposer.py`.
+second, from acceptance measured while serving (`estimates.py`) and step costs (`costs.py`); the plan is run
+by `proposer.py`.
 Why each rule below is shaped as it is (the measurements that forced it) and the tests that guard it:
 docs/design/adaptive.md. In short:
 
@@ -7,10 +8,10 @@ docs/design/adaptive.md. In short:
   lookup or not at all, whichever its own record says commits more (not at all: plainly, or padded to keep
   the step uniform, `PAD`); the configured tree (and a small one).
 - Prediction: tokens (counted by the time they save where a batch ends together, `_worth_ratio`) over
-  seconds (the target's step from a fitted line, eager where the arm's last `HOT_AFTER` steps at this batch
-  ran eagerly, plain decoding's from its own record per batch bucket; the head's extension and drafting;
-  the rest of the step),
-  corrected by what each kind delivered at this batch bucket (`Correction`). Several requests that started
+  seconds (`StepCosts`: the target's step from its shape's own record per batch bucket, else a fitted
+  line, eager where the arm's last `HOT_AFTER` steps at this batch ran eagerly; the head's extension and
+  drafting; the rest of the step), corrected by what each kind delivered at this batch bucket (`Correction`,
+  one for every chain length of a source: `Plan.family`). Several requests that started
   together with none queued: speculation must be predicted `MARGIN` faster than plain, elsewhere `EDGE`.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`Sequence.head_backlog`), so plain steps carry no upkeep.
@@ -29,16 +30,9 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-from tsengine.model.graphs import BATCH_BUCKETS, HOT_AFTER, bucket
-from tsengine.speculative.adaptive.estimates import (
-    Acceptance,
-    Correction,
-    LinearCost,
-    MeanTokens,
-    PerRequest,
-    RunningMean,
-    stats,
-)
+from tsengine.model.graphs import HOT_AFTER
+from tsengine.speculative.adaptive.costs import StepCosts, shape_key
+from tsengine.speculative.adaptive.estimates import Acceptance, Correction, MeanTokens, PerRequest, stats
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan, kept_rows
 from tsengine.speculative.drafts import Proposal
 
@@ -71,34 +65,7 @@ class AdaptivePolicy:
         self.lookup = Acceptance(steps, prior_rate=0.3)  # prompt lookup, over requests that had a match
         self.pad = Acceptance(steps, prior_rate=0.01)  # `PAD` drafts (a repeated token is sometimes right)
         self.tree_tokens = {a: MeanTokens(1.0 + 0.5 * a.steps) for a in self.arms if a.is_tree}
-        # the target step: a line over steps of more than one row (a step mixing decodes with windows runs
-        # eagerly: tsengine/model/graphs.py), for shapes without a record of their own; and each uniform plain
-        # or chain step's own record per graph batch bucket (`step_seconds`), which prices that shape where
-        # it exists. The line is not straight: one row runs MKL's sgemv, more rows oneDNN's packed kernel with
-        # a higher floor (tsengine/model/linear.py), and at 4 requests a line fitted from chain steps put
-        # plain's 29 ms step at 46 ms (chains of 3 then ran at 0.92x plain's speed through a server). With one
-        # correction for every chain length (`Plan.family`), lengths are told apart by their own steps.
-        self.target_cost = LinearCost(("base", "eager", "per_chain_row", "per_tree_row"))
-        self.step_seconds: dict[tuple[Arm, int], RunningMean] = {}  # `shape_key` -> the target's step seconds
-        self.graphs_seen = False  # a step ran through a compiled graph: uniform steps are not eager
-        # (arm, graph batch bucket: `shape_key`) -> its uniform decode steps in a row that ran eagerly (0: its
-        # last one ran through a compiled graph). A shape compiles only once hot (tsengine/model/graphs.py
-        # `Heat`), so an arm chosen now and then (a chain at 16 requests) runs eagerly every time it is chosen:
-        # priced as a graph step, such steps cost the adaptive server several plain steps each
-        # (docs/benchmarks.md, "Adaptive speculation by default"). Priced eagerly from its first step on, an
-        # arm that wins only as a graph never got the steps that heat it: at one request the policy settled
-        # on the chain of 1 that heated first (`cold`).
-        self.eager_runs: dict[tuple[Arm, int], int] = {}
-        # graphs compiled so far in this process (the proposer sets it every step), and its value when each
-        # (arm, batch) last ran eagerly: exploration retries such an arm only once a graph has compiled since
-        self.compiled = 0
-        self._eager_at: dict[tuple[Arm, int], int] = {}
-        # the head's time (extension + drafting), learned from steps that draft from it (no other step does
-        # head work); prompt lookup's and the decision's apart (every step pays them)
-        self.draft_cost = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
-        self.overhead_cost = LinearCost(("base", "per_request"))
-        # the head's catch-up over rows kept while it did not draft (a pass of its own: adaptive_proposer)
-        self.catch_up_cost = LinearCost(("base", "per_row"))
+        self.costs = StepCosts()
         self._kept: list[int] = []  # this decision's rows kept per request (`choose`)
         self.decisions, self.last = 0, Plan(Arm(), [])
         self._held = (0, 0, 0.0)  # (plain decisions left unpriced, at this batch size, plain's tokens/s): `HOLD`
@@ -133,26 +100,14 @@ class AdaptivePolicy:
             stats(c.seq, self.steps).observe(d.source, drafted, accepted)
         if proposal.target_seconds > 0 and proposal.prefill_rows == 0:  # decode steps only: the choice never
             # changes a step's prefill work, and long prefill rows would pull the decode line off its range
-            if proposal.graph and not self.graphs_seen:  # the eager plain steps before it were not the norm
-                self.graphs_seen, self.step_seconds = True, {}
             last = self.last
-            shape = self._uniform_shape(proposal.decode_rows)
-            if quiet and shape is not None and (proposal.graph or not self.graphs_seen):
-                self.step_seconds.setdefault(shape, RunningMean()).observe(proposal.target_seconds)
-            if quiet and proposal.decode_rows > 1:
-                self.target_cost.update([1.0, float(not proposal.graph), proposal.decode_rows - tree_rows, tree_rows],
-                                        proposal.target_seconds)
-            mixed = 0 < last.sources.count("plain") < len(last.sources)
-            if last.sources and not mixed:
-                key = shape_key(last.arm, len(last.sources))
-                self.eager_runs[key] = 0 if proposal.graph else self.eager_runs.get(key, 0) + 1
-                self._eager_at[key] = self.compiled
+            self.costs.learn_step(proposal, last, tree_rows, quiet)
             # a step priced as a graph whose shape was not hot yet ran eagerly (tsengine/model/graphs.py `Heat`):
             # its cost is the line's eager term, not what its arm delivers once chosen, so the arm's correction
             # skips it. Priced eagerly (`cold`), it is what was promised: at 16 requests a chain of 1 whose
             # shape never compiles was promised 15-20% over plain decoding, ran eagerly below it, and taught
             # its correction nothing, so it was chosen again at the start of every batch (issue 43)
-            cold = self.graphs_seen and not proposal.graph and not mixed and not last.eager
+            cold = self.costs.graphs_seen and not proposal.graph and not last.mixed and not last.eager
             # a warm-up step was priced by lines fitted from nothing: a chain of 1 at 16 requests, promised many
             # times what any step delivers, kept a ratio far below 1 for good (a kind learns only when chosen)
             warm_up = self.decisions <= len(self.arms)
@@ -171,76 +126,15 @@ class AdaptivePolicy:
         Learned from steps that drafted from it (no other does head work);
         `overhead_seconds`: the rest of the step outside the forward (prompt lookup, the choice, commit,
         outputs; None: not measured, the line's estimate)."""
-        if head_seconds is not None and any(plan.eagle):
-            self.draft_cost.update([1.0, extended, *self._draft_work(plan.arm, sum(plan.eagle))], head_seconds)
-        if overhead_seconds is None:
-            overhead_seconds = self.overhead_cost.predict([1.0, len(plan.sources)])
-        else:
-            self.overhead_cost.update([1.0, len(plan.sources)], overhead_seconds)
+        overhead_seconds = self.costs.learn_draft(extended, plan, head_seconds, overhead_seconds)
         self.last = plan
         self.last_draft_seconds = None if head_seconds is None else head_seconds + overhead_seconds
 
     # ---- deciding ---------------------------------------------------------------------------------------
-    def _draft_work(self, arm: Arm, heads: int) -> tuple[int, int]:
-        """(sequential head forwards, rows drafted) for `heads` requests drafting from the head."""
-        if heads == 0 or arm.steps == 0:
-            return 0, 0
-        if arm.is_tree:
-            return arm.steps, heads * (1 + arm.topk * (arm.steps - 1))
-        return arm.steps, heads * arm.steps
-
-    def _uniform_shape(self, decode_rows: int) -> tuple[Arm, int] | None:
-        """The last step's `shape_key` where it was uniform, a plain or chain step in which every request ran
-        the plan's rows (its record, `step_seconds`, prices that shape); else None."""
-        last, n = self.last, len(self.last.sources)
-        if decode_rows == 1:
-            return shape_key(Arm(0), 1)
-        k = last.arm.steps
-        if n and not last.arm.is_tree and decode_rows == n * (k + 1) and (not k or "plain" not in last.sources):
-            return shape_key(last.arm, n)
-        return None
-
-    def _target_seconds(self, arm: Arm, batch: int, chain_rows: int, tree_rows: int, mixed: bool = False,
-                        cold: bool = False) -> float:
-        """The target's step: the shape's own record (`step_seconds`) where it runs as one, else the line (a
-        mixed step runs eagerly, and so does a step whose graph is `cold`)."""
-        if not mixed and not cold:
-            step = self.step_seconds.get(shape_key(arm, batch))
-            if step is not None:
-                return step.value
-        eager = mixed or cold or not self.graphs_seen
-        return self.target_cost.predict([1.0, float(eager), chain_rows, tree_rows])
-
-    def cold(self, arm: Arm, batch: int) -> bool:
-        """The arm's step at this batch would run eagerly: its last `HOT_AFTER` steps here did, with no graph
-        step since. Fewer than that, it is priced as the graph it becomes when chosen: `HOT_AFTER` steps in a
-        row heat its shape and the graph compiles off the engine thread (tsengine/model/graphs.py), and an
-        exploration step finds it compiled later. Priced eagerly from its first step on, an arm that wins only
-        as a graph never got those steps (at one request, the chain of 1 heated first and the longer chains,
-        faster as graphs, were never chosen again)."""
-        return self.eager_runs.get(shape_key(arm, batch), 0) >= HOT_AFTER
-
     def predict(self, arm: Arm, tokens: float, chain_rows: int, tree_rows: int, heads: int, batch: int,
                 mixed: bool = False, kept: int = 0) -> float:
-        """Tokens per second of a step of `batch` requests, `heads` of them drafting from the head, `mixed`
-        if some decode plainly while others verify. The head's time: its extension over the drafting
-        requests' rows (their share of the tokens) and its forwards; none where no request drafts from it
-        (it extends over a request's rows only when it drafts for it: `Sequence.head_backlog`); first
-        its catch-up over the `kept` rows of those requests (`_catch_up_seconds`)."""
-        seconds = (self._target_seconds(arm, batch, chain_rows, tree_rows, mixed, self.cold(arm, batch))
-                   + self.overhead_cost.predict([1.0, batch]))
-        if heads:
-            seconds += self.draft_cost.predict([1.0, tokens * heads / batch, *self._draft_work(arm, heads)])
-            seconds += self._catch_up_seconds(kept)
-        return tokens / max(seconds, 1e-9)
-
-    def _catch_up_seconds(self, kept: int) -> float:
-        """What drafting from the head costs first where it kept rows for those requests: a pass of its own
-        over them. Unpriced, a head step after a stretch of plain steps looked as cheap as one in a run of
-        head steps, and at 4 requests the policy went in and out of a chain of 1 (a few percent faster than
-        plain decoding when run steadily) and ran below plain decoding (issue 43, docs/benchmarks.md
-        "Adaptive speculation by default")."""
-        return self.catch_up_cost.predict([1.0, kept]) if kept else 0.0
+        """Tokens per second of a step of `batch` requests committing `tokens` (its seconds: `StepCosts.seconds`)."""
+        return tokens / max(self.costs.seconds(arm, tokens, chain_rows, tree_rows, heads, batch, mixed, kept), 1e-9)
 
     def price(self, arm: Arm, sources: list[str], stats: list[PerRequest | None],
               found: list[list[int] | None] | None = None, worth: bool = False, catch_up: bool = False) -> float:
@@ -272,10 +166,10 @@ class AdaptivePolicy:
         batch, extra = len(gains), sum(gains)
         if not self._together or extra <= 0:
             return 1.0
-        step = self._target_seconds(Arm(0), batch, batch, 0)
+        step = self.costs.target_seconds(Arm(0), batch, batch, 0)
         if step <= 0:
             return 1.0
-        row = min(max(self.target_cost.theta[2], 0.0), step / batch)
+        row = min(max(self.costs.target.theta[2], 0.0), step / batch)
         worth = (row * extra + (step - row * batch) * min(gains)) * batch / step
         return (batch + worth) / (batch + extra)
 
@@ -311,7 +205,7 @@ class AdaptivePolicy:
             # says (a row count met for the first time builds its matmul kernels on the spot; in-process traces
             # at 4 requests had eager chain steps at several times a compiled one: docs/benchmarks.md,
             # "Adaptive speculation by default")
-            plan = padded if self.graphs_seen else max(plan, padded, key=lambda p: p.tokens_per_s)
+            plan = padded if self.costs.graphs_seen else max(plan, padded, key=lambda p: p.tokens_per_s)
         return plan
 
     def _chain_priced(self, k: int, sources: list[str], gains: list[float], heads: int, kept: int) -> Plan:
@@ -373,7 +267,7 @@ class AdaptivePolicy:
         plan.sources = [s if s != "eagle3" or not (st and st.head_gap) else "plain"
                         for s, st in zip(plan.sources, stats)]  # the warm-up's and exploration's too
         plan.raw_tokens_per_s = self.price(plan.arm, plan.sources, stats, found)
-        plan.eager = self.graphs_seen and self.cold(plan.arm, len(stats))
+        plan.eager = self.costs.graphs_seen and self.costs.cold(plan.arm, len(stats))
         return plan
 
     def _decide(self, stats: list[PerRequest | None], found: list[list[int] | None]) -> Plan:
@@ -383,8 +277,9 @@ class AdaptivePolicy:
             arm = self.arms[self.decisions - 1]
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
-        if (self.graphs_seen and shape_key(Arm(0), batch) not in self.step_seconds
-                and self.eager_runs.get(shape_key(Arm(0), batch), 0) < HOT_AFTER):
+        costs = self.costs
+        if (costs.graphs_seen and shape_key(Arm(0), batch) not in costs.step_seconds
+                and costs.eager_runs.get(shape_key(Arm(0), batch), 0) < HOT_AFTER):
             # plain decoding not measured at this batch bucket yet: measured first (its eager steps heat its
             # shape, whose graph then compiles off the engine thread; exploration finds it compiled). Priced
             # from the line through chain steps instead, it was never chosen or explored at 4 requests
@@ -404,30 +299,15 @@ class AdaptivePolicy:
         if not explore:
             return best
         near = [p for p in plans if p is not best and (p is plans[0] or p.tokens_per_s >= 0.7 * best.tokens_per_s)
-                and self._explorable(p.arm, batch)]  # plain decoding, the baseline, however far behind
+                and self.costs.explorable(p.arm, batch)]  # plain decoding, the baseline, however far behind
         if near:
             return replace(self._rng.choice(near), explored=True)
         k = best.arm.steps if not best.arm.is_tree else self.steps
-        ks = [x for x in (k - 1, k + 1) if 0 <= x <= self.steps and self._explorable(Arm(x), batch)]
+        ks = [x for x in (k - 1, k + 1) if 0 <= x <= self.steps and self.costs.explorable(Arm(x), batch)]
         if not ks:
             return best
         k = self._rng.choice(ks)
         return Plan(Arm(k), ["eagle3" if k and not (st and st.head_gap) else "plain" for st in stats], explored=True)
-
-    def _explorable(self, arm: Arm, batch: int) -> bool:
-        """Worth an exploration step: the arm's last step at this batch ran through a graph, or a graph has
-        compiled since it ran eagerly (its own shape, heated by its eager steps, may be the one: the step
-        that finds it compiled prices the arm as a graph again). Otherwise, or never run at this batch (no
-        graph can hold a shape never met), it would run eagerly, at up to 10 plain steps' time at 16
-        requests (traced: 647 ms for a chain of 3 met for the first time, against 58 ms), teaching its
-        correction nothing (`learn` skips a step priced as a graph that ran eagerly). An arm never run at a
-        batch starts there only when chosen as the best: its steps in a row heat its shape."""
-        if not arm.steps:  # the baseline: excluded after one eager step (the batch filling up), it was never
-            return True  # chosen again where the lines favoured chains, at 0.6x plain's speed (in-process, 4 requests)
-        key = shape_key(arm, batch)
-        if key not in self.eager_runs:
-            return False
-        return not self.eager_runs[key] or self.compiled > self._eager_at.get(key, -1)
 
     def describe(self) -> str:
         """The periodic log line's part: estimates and what was chosen."""
@@ -435,17 +315,3 @@ class AdaptivePolicy:
         look = " ".join(f"{r:.2f}" for r in self.lookup.rates())
         top = ", ".join(f"{name} {n}" for name, n in self.chosen.most_common(3))
         return f"policy: chose {top}; eagle3 acceptance {rates}; ngram {look}"
-
-
-def shape_key(arm: Arm, batch: int) -> tuple[Arm, int]:
-    """The arm at the batch size its step's graph is padded to (tsengine/model/graphs.py `BATCH_BUCKETS`): the
-    sizes of one bucket share a graph, so they share its eager record. Keyed by the exact size, a server
-    whose batch filled up over its first steps met a chain of 1 "for the first time" at 9, 10, ... 16
-    requests, ran each eagerly, and lost 2-6% of a round at 16 requests (issue 43)."""
-    return arm, graph_batch(batch)
-
-
-def graph_batch(batch: int) -> int:
-    """The batch size a step of `batch` requests is padded to in its graph (itself past the largest bucket)."""
-    return bucket(batch, BATCH_BUCKETS) or batch
-

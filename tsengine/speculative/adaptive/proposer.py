@@ -46,7 +46,7 @@ class AdaptiveProposer(Proposer):
         policy.learn(proposal, quiet=compile_worker.quiet(self._epoch))
         between = self._between(proposal)
         need = proposal.drafting
-        policy.compiled = compile_worker.WORKER.compiled
+        policy.costs.compiled = compile_worker.WORKER.compiled
         t0 = time.perf_counter()
         found = [self.ngram.lookup(seq) for seq in need] if policy.ngram and need else [None] * len(need)
         remaining = [known_remaining(seq) for seq in need]
@@ -173,7 +173,7 @@ class AdaptiveProposer(Proposer):
         # priced into the plan that triggers the next one; not where a compile shared the cores: passes of a
         # few rows timed across one (40-50 ms against 1.5-3) swung the line to 25 ms a row at 4 requests
         if compile_worker.quiet(epoch):
-            self.policy.catch_up_cost.update([1.0, at], seconds)
+            self.policy.costs.catch_up.update([1.0, at], seconds)
         return seconds
 
 
