@@ -1,0 +1,72 @@
+"""Engines side by side in one process, one request at a time (the server's one-request level without the
+server): plain decoding, pinned EAGLE-3 chains and the adaptive default, each round running the same
+prompts (built-in validation prompts, greedy, EOS ignored) through every engine in turn, so a machine
+whose speed drifts moves every row alike.
+
+    python bench/engines_paired.py --draft DIR [--engines chain3,adaptive,chain1,plain --prompts 16
+        --max-tokens 96 --rounds 5]
+
+Prints output tok/s per round and engine, then the medians, and what the adaptive policy chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from engine_speed import val_prompts
+
+
+def speculative_config(engine: str, draft: str) -> dict | None:
+    if engine == "plain":
+        return None
+    if engine == "adaptive":
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": 3, "adaptive": True}
+    if engine.startswith("chain") and engine[5:].isdigit():
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": int(engine[5:]), "adaptive": False}
+    raise SystemExit(f"--engines: unknown engine {engine!r} (allowed: plain, adaptive, chainK)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--draft", required=True, help="the EAGLE-3 head's directory")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--engines", default="chain3,adaptive,chain1,plain")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+
+    from tsengine.entrypoints.llm import LLM
+    from tsengine.model.compile_worker import WORKER
+    from tsengine.sampling_params import SamplingParams
+    from tsengine.targets import resolve
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    names = args.engines.split(",")
+    configs = {name: speculative_config(name, args.draft) for name in names}
+    llms = {name: LLM(str(resolve(args.model)), speculative_config=configs[name], enable_prefix_caching=False,
+                      max_num_seqs=4, kv_cache_memory=256 << 20)  # one request at a time: a small cache each
+            for name in names}
+    prompts = val_prompts(next(iter(llms.values())).tokenizer, args.prompts)
+    for llm in llms.values():  # warm-up: every engine meets its shapes, then every graph compiles
+        for prompt in prompts[: max(1, len(prompts) // 2)]:
+            llm.generate([prompt], params, use_tqdm=False)
+    WORKER.wait()
+    speeds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name, llm in llms.items():
+            t0 = time.perf_counter()
+            for prompt in prompts:
+                llm.generate([prompt], params, use_tqdm=False)
+            speeds[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - t0))
+        print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in speeds.items())
+              + f" tok/s (graphs compiled so far: {WORKER.compiled})", flush=True)
+    print("medians: " + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in speeds.items()) + " tok/s")
+    if "adaptive" in llms:
+        print("adaptive chose:", dict(llms["adaptive"].engine.proposer.policy.chosen))
+
+
+if __name__ == "__main__":
+    main()
