@@ -47,7 +47,7 @@ def main() -> None:
     names = args.engines.split(",")
     configs = {name: speculative_config(name, args.draft) for name in names}
     llms = {name: LLM(str(resolve(args.model)), speculative_config=configs[name], enable_prefix_caching=False,
-                      max_num_seqs=4, kv_cache_memory=256 << 20)  # one request at a time: a small cache each
+                      max_num_seqs=4, kv_cache_memory=512 << 20)  # one request at a time: a small cache each
             for name in names}
     prompts = val_prompts(next(iter(llms.values())).tokenizer, args.prompts)
     for llm in llms.values():  # warm-up: every engine meets its shapes, then every graph compiles
