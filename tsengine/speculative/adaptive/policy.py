@@ -220,8 +220,8 @@ class AdaptivePolicy:
         """Plain decoding first, then the best plan of each chain length and each tree (tokens per second
         predicted with optimism for barely tried sources, and corrected by each arm's record)."""
         batch = len(stats)
-        plans = [Plan(Arm(0), ["plain"] * batch)]
-        plans[0].tokens_per_s = self.predict(Arm(0), batch, batch, 0, 0, batch) * self.correction("plain", batch)
+        plain = self.predict(Arm(0), batch, batch, 0, 0, batch) * self.correction("plain", batch)
+        plans = [Plan(Arm(0), ["plain"] * batch, plain)]
         chains = [a.steps for a in self.arms if a.steps and not a.is_tree]
         plans += filter(None, (self._chain_plan(k, stats, found) for k in chains))
         if any(f is not None for f in found):
@@ -229,7 +229,7 @@ class AdaptivePolicy:
         heads = ["plain" if st and st.head_gap else "eagle3" for st in stats]
         if "eagle3" in heads:
             plans += [Plan(a, heads, self.price(a, heads, stats, worth=True, catch_up=True)
-                           * self.correction(Plan(a, heads).family, batch)) for a in self.tree_tokens]
+                           * self.correction(a.name, batch)) for a in self.tree_tokens]
         return plans
 
     def _best(self, plans: list[Plan]) -> Plan:
