@@ -30,7 +30,6 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-from tsengine.model.graphs import HOT_AFTER
 from tsengine.speculative.adaptive.costs import StepCosts, shape_key
 from tsengine.speculative.adaptive.estimates import Acceptance, Correction, MeanTokens, PerRequest, stats
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan, kept_rows
@@ -278,8 +277,7 @@ class AdaptivePolicy:
             return Plan(arm, ["eagle3" if arm.steps else "plain"] * batch, explored=True)
         found = found if self.ngram else [None] * batch
         costs = self.costs
-        if (costs.graphs_seen and shape_key(Arm(0), batch) not in costs.step_seconds
-                and costs.eager_runs.get(shape_key(Arm(0), batch), 0) < HOT_AFTER):
+        if costs.graphs_seen and shape_key(Arm(0), batch) not in costs.step_seconds and not costs.cold(Arm(0), batch):
             # plain decoding not measured at this batch bucket yet: measured first (its eager steps heat its
             # shape, whose graph then compiles off the engine thread; exploration finds it compiled). Priced
             # from the line through chain steps instead, it was never chosen or explored at 4 requests
