@@ -15,7 +15,7 @@ from tsengine.sequence import Sequence
 from tsengine.speculative.adaptive.costs import HEAD_SAMPLES
 from tsengine.speculative.adaptive.estimates import Acceptance, LinearCost, PerRequest, RunningMean
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan
-from tsengine.speculative.adaptive.policy import EDGE, HOLD, HOLD_STEPS, MARGIN, AdaptivePolicy
+from tsengine.speculative.adaptive.policy import EDGE, HOLD, HOLD_STEPS, MARGIN, STAY, AdaptivePolicy
 from tsengine.speculative.adaptive.proposer import known_remaining
 from tsengine.speculative.drafts import Proposal
 
@@ -481,6 +481,27 @@ def test_speculation_must_be_predicted_an_edge_faster_than_plain_decoding():
     assert best(EDGE - 0.01) == Arm(0) and best(EDGE + 0.001) == Arm(1)
     p._ragged = True
     assert best(EDGE + 0.001) == Arm(0) and best(MARGIN + 0.001) == Arm(1)
+
+
+def test_a_kind_once_chosen_stays_while_predicted_level_with_plain():
+    """Hysteresis: a chain is entered only when predicted `EDGE` ahead of plain decoding, then kept while
+    predicted at least `STAY`, and left below it; plain decoding is then the incumbent and the chain must
+    clear `EDGE` again. With one threshold, a chain predicted around it ran on some steps and not others
+    (the ninth server run at 4 requests: 0.97x plain where the pinned chain of 1 ran 1.03x)."""
+    p = trained_policy(draft_step_seconds=0.0005)
+    p.explore_every = 10**6  # no exploration steps in between
+    ahead = 1.0
+
+    def decide() -> Arm:
+        p.candidates = lambda stats, found: [Plan(Arm(0), ["plain"] * 4, 100.0),
+                                             Plan(Arm(1), ["eagle3"] * 4, 100.0 * ahead)]
+        return p._decide([None] * 4, [None] * 4).arm
+
+    assert STAY < EDGE
+    got = []
+    for ahead in (EDGE - 0.005, EDGE + 0.005, (STAY + EDGE) / 2, STAY + 0.001, STAY - 0.005, (STAY + EDGE) / 2):
+        got.append(decide())
+    assert got == [Arm(0), Arm(1), Arm(1), Arm(1), Arm(0), Arm(0)]
 
 
 def test_where_steps_run_as_graphs_no_step_mixes_plain_and_drafting_requests():

@@ -12,7 +12,8 @@ docs/design/adaptive.md. In short:
   line, eager where the arm's last `HOT_AFTER` steps at this batch ran eagerly; the head's extension and
   drafting; the rest of the step), corrected by what each kind delivered at this batch bucket (`Correction`,
   one for every chain length of a source: `Plan.family`). Several requests that started
-  together with none queued: speculation must be predicted `MARGIN` faster than plain, elsewhere `EDGE`.
+  together with none queued: speculation must be predicted `MARGIN` faster than plain, elsewhere `EDGE` to
+  be entered and `STAY` (level) to be kept.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`Sequence.head_backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
@@ -42,6 +43,12 @@ MARGIN = 1.05  # speculation must be predicted this much faster than plain decod
 # the steps of an exploration), and at 4 requests a server mixing chains predicted 1-3% ahead with plain
 # steps ran at 0.97x plain where both the pinned chain of 1 and forced plain ran at 0.99-1.02x (issue 43)
 EDGE = 1.03
+# ... to be entered; once chosen, a kind (`Plan.family`) stays while predicted at least `STAY` x plain. With
+# one threshold, a chain whose prediction wandered around it ran on some steps and not on others: at 4
+# requests the ninth server run drafted on 5-17% of the steps in four rounds and on 91% in the fifth, and
+# ran 0.97x plain where the pinned chain of 1 ran 1.03x (issue 43). Entered at `EDGE` and left below `STAY`
+# (hysteresis), a prediction's noise no longer flips the choice step to step.
+STAY = 1.0
 TOGETHER = 8  # steps apart requests may have started and still end together (chunked prefill staggers starts)
 # Plain decoding predicted this much faster than every other plan: the next HOLD_STEPS - 1 decisions at the same
 # batch size are plain without pricing the candidates (`_decide`). Pricing them every step cost a visible share
@@ -68,6 +75,7 @@ class AdaptivePolicy:
         self._kept: list[int] = []  # this decision's rows kept per request (`choose`)
         self.decisions, self.last = 0, Plan(Arm(), [])
         self._held = (0, 0, 0.0)  # (plain decisions left unpriced, at this batch size, plain's tokens/s): `HOLD`
+        self._incumbent = "plain"  # the kind (`Plan.family`) the last priced decision chose: `STAY`
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
         self.correction = Correction()
         self.last_draft_seconds = 0.0
@@ -232,10 +240,16 @@ class AdaptivePolicy:
         return plans
 
     def _best(self, plans: list[Plan]) -> Plan:
-        """What the policy runs of these (exploration aside): the fastest, if `EDGE` faster than plain, or
-        `MARGIN` where a ragged finish can cost (several requests that started together, none queued: `choose`)."""
-        best = max(plans, key=lambda p: p.tokens_per_s)
-        return best if best.tokens_per_s >= (MARGIN if self._ragged else EDGE) * plans[0].tokens_per_s else plans[0]
+        """What the policy runs of these (exploration aside): the fastest of those predicted `EDGE` faster than
+        plain, or `STAY` for the kind chosen last (`_incumbent`), or `MARGIN` where a ragged finish can cost
+        (several requests that started together, none queued: `choose`); else plain decoding."""
+        plain = plans[0].tokens_per_s
+
+        def needs(p: Plan) -> float:
+            return MARGIN if self._ragged else STAY if p.family == self._incumbent else EDGE
+
+        return max((p for p in plans[1:] if p.tokens_per_s >= needs(p) * plain), key=lambda p: p.tokens_per_s,
+                   default=plans[0])
 
     def choose(self, stats: list[PerRequest | None], found: list[list[int] | None],
                remaining: list[int | None] | None = None, queued: int = 0, kept: list[int] | None = None) -> Plan:
@@ -292,6 +306,7 @@ class AdaptivePolicy:
             return Plan(Arm(0), ["plain"] * batch, plain)
         plans = self.candidates(stats, found)
         best, plain = self._best(plans), plans[0].tokens_per_s
+        self._incumbent = best.family
         runner_up = max((p.tokens_per_s for p in plans[1:]), default=0.0)
         self._held = (HOLD_STEPS - 1 if best is plans[0] and runner_up < HOLD * plain else 0), batch, plain
         if not explore:
