@@ -72,9 +72,9 @@ def traced(llm) -> dict:
     policy = engine.proposer.policy
     learn, tokens = policy.learn, [0]
 
-    def learned(proposal):  # the tokens the step committed (its verify of the plan chosen the step before)
+    def learned(proposal, **kwargs):  # the tokens the step committed (its verify of the plan chosen the step before)
         tokens[0] = proposal.tokens
-        return learn(proposal)
+        return learn(proposal, **kwargs)
 
     proposer = engine.proposer
     catch_up = proposer._catch_up
