@@ -68,8 +68,9 @@ def main() -> None:
     names = args.engines.split(",")
     configs = {name: speculative_config(name, args.draft) for name in names}
     c = args.concurrency
-    llms = {name: LLM(str(resolve(args.model)), speculative_config=configs[name], enable_prefix_caching=args.prefix_caching,
-                      max_num_seqs=max(4, c), kv_cache_memory=(256 << 20) * (1 + c))  # a small cache each
+    llms = {name: LLM(str(resolve(args.model)), speculative_config=configs[name],
+                      enable_prefix_caching=args.prefix_caching, max_num_seqs=max(4, c),
+                      kv_cache_memory=(256 << 20) * (1 + c))  # a small cache each
             for name in names}
     if "forced" in llms:
         llms["forced"].engine.proposer.policy.choose = lambda stats, *_a, **_k: Plan(Arm(0), ["plain"] * len(stats))

@@ -13,6 +13,11 @@ decided comparisons. Now all servers are up together (idle ones run no engine lo
 measured in `--rounds` rounds; in each round every server runs the level once, in an order rotated by the
 round (no server always goes first). The summary reports per server and level the median over rounds,
 the min–max, the ratio to plain and, with an adaptive row, adaptive vs the best fixed row.
+
+Resolution: identical servers do not run alike. `--plain-replicas 3` on a 2-core AMD Zen 3 gave three plain
+servers medians 2-4% apart over 5 rounds, with single rounds 25-30% low (docs/benchmarks.md, "How far apart
+identical servers run"). Run with `--plain-replicas 2` or more to print that noise floor beside the verdict
+of each level: a margin inside it decides nothing.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ async def level(base: str, prompts: list[str], conc: int, total: int, max_tokens
 
 
 def server_rows(args) -> list[tuple[str, list[str]]]:
-    rows = [("plain", [])]
+    rows = [("plain", [])] + [(f"plain #{i}", []) for i in range(2, args.plain_replicas + 1)]
     if args.ngram:
         rows.append((f"ngram {max(args.chains)}",
                      ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", str(max(args.chains))]))
@@ -153,6 +158,15 @@ def policy_counts(base: str) -> dict[str, float]:
     return out
 
 
+def policy_beliefs(base: str) -> dict[str, float]:
+    """An adaptive server's priced step and head times per arm and batch bucket, and its prediction ratios
+    (/metrics): why it chose what it did."""
+    names = ("tsengine:spec_decode_step_seconds{", "tsengine:spec_decode_head_seconds{",
+             "tsengine:spec_decode_prediction_ratio{")
+    return {line.rsplit(" ", 1)[0].removeprefix("tsengine:spec_decode_"): float(line.rsplit(" ", 1)[1])
+            for line in metrics(base) if line.startswith(names)}
+
+
 def compiled_graphs(base: str) -> float:
     """How many step graphs the server has compiled so far (/metrics), after waiting (up to 15 min) for
     those still compiling off its engine thread."""
@@ -196,9 +210,10 @@ def measure(args, servers: list[dict], prompts: list[str]) -> list[dict]:
                 graphs_before = compiled_graphs(s["base"])
                 res = asyncio.run(level(s["base"], prompts, c, n, args.max_tokens))
                 res["compiles"] = int(compiled_graphs(s["base"]) - graphs_before)  # each stalls the round
-                if before is not None:  # what the policy chose during this level
+                if before is not None:  # what the policy chose during this level, and what it believed after
                     res["choices"] = {k: v - before.get(k, 0) for k, v in policy_counts(s["base"]).items()
                                       if v > before.get(k, 0)}
+                    res["beliefs"] = policy_beliefs(s["base"])
                 raw.append({"server": s["name"], "level": c, "round": r, **res})
                 tau = f"{res['tau']:.2f}" if res["tau"] else "-"
                 print(f"| {s['name']} | {c} | {r} | {res['tok_s']:.1f} | {tau} | {res['wall']:.1f} | "
@@ -224,12 +239,19 @@ def summarize(args, names: list[str], raw: list[dict]) -> dict[str, dict[int, di
             ratio = m["tok_s"] / med["plain"][c]["tok_s"]
             print(f"| {name} | {c} | {m['tok_s']:.1f} | {m['min']:.1f}–{m['max']:.1f} | {tau} | {ratio:.2f}x |")
     adaptive = [n for n in names if n.startswith("adaptive")]  # not a fixed row: the forced-plain one neither
-    if adaptive:
-        print()
-        for c in args.levels:
-            best_name = max((n for n in names if n not in adaptive), key=lambda n: med[n][c]["tok_s"])
+    replicas = [n for n in names if n.startswith("plain #")]
+    print()
+    for c in args.levels:
+        parts = []
+        if adaptive:
+            best_name = max((n for n in names if n not in adaptive + replicas), key=lambda n: med[n][c]["tok_s"])
             gain = med[adaptive[0]][c]["tok_s"] / med[best_name][c]["tok_s"] - 1
-            print(f"concurrency {c}: adaptive vs best fixed ({best_name}): {gain * 100:+.1f}%")
+            parts.append(f"adaptive vs best fixed ({best_name}): {gain * 100:+.1f}%")
+        if replicas:  # the noise floor: how far apart servers with the same flags ran
+            spread = [med[n][c]["tok_s"] / med["plain"][c]["tok_s"] - 1 for n in replicas]
+            parts.append(f"identical plain servers: {', '.join(f'{x * 100:+.1f}%' for x in spread)}")
+        if parts:
+            print(f"concurrency {c}: " + "; ".join(parts))
     return med
 
 
@@ -270,6 +292,8 @@ def main() -> None:
     ap.add_argument("--adaptive-flags", default="", help="extra flags for the adaptive server (one string)")
     ap.add_argument("--forced-plain", action="store_true", help="add the adaptive server with its policy forced "
                     "to decode plainly (bench/forced_plain_server.py): what the machinery costs on plain steps")
+    ap.add_argument("--plain-replicas", type=int, default=1, help="plain servers to run (2 or more: rows "
+                    "'plain #2', ... show how far apart identical servers run, the margin no comparison resolves)")
     ap.add_argument("--kv-cache-memory", type=int, default=10**9,
                     help="KV cache bytes per server (1 GB holds 64 requests of ~300 tokens; with 2 GB, five "
                     "servers held ~21 of 24 GiB and rounds of one server varied up to 2x)")
@@ -297,6 +321,9 @@ def main() -> None:
         raw = measure(args, servers, prompts)
     finally:
         stop_servers(servers)
+    if args.json:  # the rounds first: they took the time
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rounds": raw}, f, indent=1)
     med = summarize(args, [s["name"] for s in servers], raw)
     if args.json:
         with open(args.json, "w") as f:

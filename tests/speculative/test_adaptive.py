@@ -96,7 +96,8 @@ def test_the_policy_runs_unforced_and_stays_lossless(tiny_dirs, heads):
     for family in ("spec_decode_draft_length", "spec_decode_acceptance_estimate{position=\"0\",source=\"ngram\"}",
                    "spec_decode_tree_tokens_estimate{shape=\"3x2x6\"}", "spec_decode_cost_model_seconds",
                    "spec_decode_policy_steps_total", "spec_decode_policy_requests_total",
-                   "spec_decode_prediction_ratio", "spec_decode_num_drafted_tokens_per_pos_total"):
+                   "spec_decode_prediction_ratio", "spec_decode_num_drafted_tokens_per_pos_total",
+                   "spec_decode_step_seconds{arm=\"plain\"", "spec_decode_head_seconds{arm=\"chain"):
         assert f"tsengine:{family}" in text, family
     assert "policy: chose" in p.describe()
 

@@ -78,6 +78,16 @@ def _policy_metrics(policy):
         for term, value in zip(model.names, model.theta):
             cost.add_metric([part, term], value)
     yield cost
+    for name, records, what in (("step_seconds", costs.step_seconds, "The target's step"),
+                                ("head_seconds", costs.head_seconds, "The head's drafting pass")):
+        family = GaugeMetricFamily(f"tsengine:spec_decode_{name}", f"{what} as the policy prices it where the "
+                                   "shape has a record of its own (mean or recent median, seconds), by arm and graph "
+                                   "batch bucket: with the prediction ratios, why a plan was or was not chosen.",
+                                   labels=["arm", "batch"])
+        for (arm, bucket), record in sorted(list(records.items()), key=lambda kv: (kv[0][0].name, kv[0][1])):
+            if record.value is not None:
+                family.add_metric([arm.name, str(bucket)], record.value)
+        yield family
     corr = GaugeMetricFamily("tsengine:spec_decode_prediction_ratio", "Tokens each kind of step delivered over "
                              "the tokens its prediction promised in the step's time (decayed sums), by kind and "
                              "batch bucket; the policy multiplies its predictions by it.", labels=["kind", "batch"])
