@@ -162,7 +162,7 @@ def policy_beliefs(base: str) -> dict[str, float]:
     """An adaptive server's priced step and head times per arm and batch bucket, and its prediction ratios
     (/metrics): why it chose what it did."""
     names = ("tsengine:spec_decode_step_seconds{", "tsengine:spec_decode_head_seconds{",
-             "tsengine:spec_decode_prediction_ratio{")
+             "tsengine:spec_decode_prediction_ratio{", "tsengine:spec_decode_refill_share ")
     return {line.rsplit(" ", 1)[0].removeprefix("tsengine:spec_decode_"): float(line.rsplit(" ", 1)[1])
             for line in metrics(base) if line.startswith(names)}
 

@@ -341,6 +341,31 @@ def test_the_margin_over_plain_holds_only_where_the_batch_thins_out_unrefilled()
     assert p.choose(together, [None] * 4).arm == Arm(1)
 
 
+def test_a_batch_whose_freed_slots_are_refilled_at_once_is_not_held_to_the_margin():
+    """Four clients with equally long requests: decoding plainly, each wave ends at one step and the next
+    starts at one, so ages alone say "started together". Once departures are seen followed by arrivals
+    within `Refills.within_s`, the chain predicted 3% ahead runs (`EDGE`, not `MARGIN`); once freed slots
+    mostly stay empty (bursts that ended, the next one long after), the margin holds again."""
+    p = AdaptivePolicy(3)
+    p.decisions, p.explore_every = 100, 10**6
+    p.candidates = lambda stats, found: [Plan(Arm(0), ["plain"] * 4, 100.0), Plan(Arm(1), ["eagle3"] * 4, 103.5)]
+    now = [0.0]
+    p.clock = lambda: now[0]
+
+    def wave(start: float, steps: int = 5) -> list[Arm]:
+        batch, arms = [PerRequest(3) for _ in range(4)], []
+        for i in range(steps):
+            now[0] = start + 0.05 * i
+            arms.append(p.choose(batch, [None] * 4).arm)
+        return arms
+
+    assert wave(0.0) == [Arm(0)] * 5  # nothing seen refilled yet: the margin
+    assert wave(0.3)[-1] == Arm(1)  # the first wave's four slots taken within 0.1 s
+    assert wave(0.6)[-1] == Arm(1)
+    bursts = [wave(60.0 * i)[-1] for i in range(1, 4)]  # slots left empty for a minute: new bursts, not refills
+    assert bursts[0] == Arm(1) and bursts[-1] == Arm(0) and not p.refills.likely  # one empty wave is no trend
+
+
 def test_an_arm_whose_steps_keep_running_eagerly_is_priced_as_eager():
     """A chain of 1 wins narrowly as a compiled step. Never run at this batch, it is priced as the graph it
     becomes once chosen (its first `HOT_AFTER` steps heat its shape: tsengine/model/graphs.py `Heat`), so it

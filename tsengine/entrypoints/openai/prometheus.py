@@ -78,6 +78,11 @@ def _policy_metrics(policy):
         for term, value in zip(model.names, model.theta):
             cost.add_metric([part, term], value)
     yield cost
+    refills = policy.refills.share.value
+    yield GaugeMetricFamily("tsengine:spec_decode_refill_share", "Share of requests leaving the batch whose slot a "
+                            "new request took within a second (decayed; -1: none left yet). Under one half, a batch "
+                            "that started together is held to the margin over plain decoding.",
+                            value=-1.0 if refills is None else refills)
     for name, records, what in (("step_seconds", costs.step_seconds, "The target's step"),
                                 ("head_seconds", costs.head_seconds, "The head's drafting pass")):
         family = GaugeMetricFamily(f"tsengine:spec_decode_{name}", f"{what} as the policy prices it where the "

@@ -144,6 +144,45 @@ class RunningMean:
         self.value = x if self.value is None else self.value + w * (x - self.value)
 
 
+class Refills:
+    """Whether a request that leaves the batch has its slot taken at once: the share of departures that an
+    arrival followed within `within_s` (a client sending its next request as one ends), a decayed mean; no
+    departure seen yet: not likely.
+
+    Why: where the batch is refilled as it empties, a request done sooner frees its slot for the next one,
+    and every token counts; where it is not, a batch that started together thins out before its slowest
+    request ends (`MARGIN`, `_worth_ratio`). Ages alone cannot tell the two apart where requests are equally
+    long: decoding plainly, four clients' requests end at the same step, their next ones start at the same
+    step, and every wave looked like a batch that would thin out unrefilled. At 4 requests a server so
+    judged decoded plainly on 95% of its steps and ran 0.81x the pinned chain of 1 (issue 43,
+    docs/benchmarks.md "Eleventh run"). Time, not steps, bounds a refill: an engine idle between two bursts
+    takes no steps, and a burst's first request is no refill."""
+
+    def __init__(self, within_s: float = 1.0, weight: float = 0.1):
+        self.within_s = within_s
+        self.share = RunningMean(weight)
+        self._present: set[int] = set()  # the last decision's requests (their records' ids) ...
+        self._seen = 0.0  # ... and its time: a request missing now left after it
+        self._open: list[float] = []  # when each departure not yet refilled left
+
+    def observe(self, stats: list[PerRequest], now: float) -> None:
+        """This decision's requests (their ages already counted: 1 is a newcomer) at time `now`."""
+        arrived = [st for st in stats if st.age == 1]
+        ids, new = {id(st) for st in stats}, {id(st) for st in arrived}
+        self._open += [self._seen] * len(self._present - (ids - new))  # a newcomer may reuse a departed one's id
+        self._present, self._seen = ids, now
+        while self._open and now - self._open[0] > self.within_s:
+            self._open.pop(0)
+            self.share.observe(0.0)
+        for _ in arrived[:len(self._open)]:
+            self._open.pop(0)
+            self.share.observe(1.0)
+
+    @property
+    def likely(self) -> bool:
+        return self.share.value is not None and self.share.value >= 0.5
+
+
 class RecentMedian:
     """The median of the last `window` samples (0 samples: None)."""
 

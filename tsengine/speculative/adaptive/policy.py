@@ -12,8 +12,8 @@ docs/design/adaptive.md. In short:
   line, eager where the arm's last `HOT_AFTER` steps at this batch ran eagerly; the head's extension and
   drafting; the rest of the step), corrected by what each kind delivered at this batch bucket (`Correction`,
   one for every chain length of a source: `Plan.family`). Several requests that started
-  together with none queued: speculation must be predicted `MARGIN` faster than plain, elsewhere `EDGE` to
-  be entered and `STAY` (level) to be kept.
+  together with none queued and freed slots not seen refilled (`Refills`): speculation must be predicted
+  `MARGIN` faster than plain, elsewhere `EDGE` to be entered and `STAY` (level) to be kept.
 - The head costs only the steps that draft from it: it extends over a request's rows when it drafts for
   it, catching up over the rows kept since (`Sequence.head_backlog`), so plain steps carry no upkeep.
 - Exploration: every arm once, then one step in `explore_every` (× B/4 at B > 4 requests) runs a runner-up
@@ -28,11 +28,12 @@ Lossless by construction: whatever is chosen, the target verifies it, so the out
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from dataclasses import replace
 
 from tsengine.speculative.adaptive.costs import StepCosts, shape_key
-from tsengine.speculative.adaptive.estimates import Acceptance, Correction, MeanTokens, PerRequest, stats
+from tsengine.speculative.adaptive.estimates import Acceptance, Correction, MeanTokens, PerRequest, Refills, stats
 from tsengine.speculative.adaptive.plan import PAD, Arm, Plan, kept_rows
 from tsengine.speculative.drafts import Proposal
 
@@ -78,6 +79,8 @@ class AdaptivePolicy:
         self._incumbent = "plain"  # the kind (`Plan.family`) the last priced decision chose: `STAY`
         self._untried = PerRequest(steps)  # stands for a request with no record yet (read only)
         self.correction = Correction()
+        self.refills = Refills()  # is a freed slot taken at once (`choose`)?
+        self.clock = time.monotonic  # a test may replace it
         self.last_draft_seconds = 0.0
         self.chosen: Counter[str] = Counter()  # steps per arm name
         self.drafted_by: Counter[str] = Counter()  # requests per source
@@ -269,12 +272,16 @@ class AdaptivePolicy:
             if st is not None:
                 st.age += 1
         ages = [st.age if st else 0 for st in stats]
+        self.refills.observe([st for st in stats if st is not None], self.clock())
         known = bool(remaining) and len(remaining) > 1 and None not in remaining
         # `MARGIN` where the batch thins out with nothing to refill it. Started apart, a client's next request
         # is likely to take a freed slot: at 4 requests so sent, the margin held a chain of 1 that ran faster
         # per step than plain decoding, but was predicted inside the margin, to plain on about a quarter of the
         # steps (traced: docs/benchmarks-journal.md, "The margin only for batches that started together: 4 requests").
-        self._ragged = len(stats) > 1 and not queued and max(ages) - min(ages) <= TOGETHER
+        # Equally long requests decoded plainly end at one step and their successors start at one: ages alone
+        # took every such wave for a batch that thins out, where each freed slot was refilled (`Refills`).
+        self._ragged = (len(stats) > 1 and not queued and not self.refills.likely
+                        and max(ages) - min(ages) <= TOGETHER)
         self._together = known and self._ragged
         plan = self._decide(stats, found)
         plan.sources = [s if s != "eagle3" or not (st and st.head_gap) else "plain"
