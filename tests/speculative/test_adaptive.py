@@ -180,6 +180,7 @@ class RecordingHead:
 
     extended: list = []
     catch_up_seconds = 0.0  # how long a pass over kept rows only (no run drafts next) takes
+    drafted_in_graph = None  # it has no graphs
 
     def propose(self, proposal, only=None, **shape):
         self.extended = self.extended + [(c.seq.request_id, c.start, proposal.aux[c.rows].tolist()

@@ -201,6 +201,26 @@ def test_the_heads_time_is_priced_from_its_own_steps_at_each_shape():
     assert p.choose([None] * 4, [None] * 4).arm == Arm(2)
 
 
+def test_the_heads_first_eager_passes_at_a_shape_teach_no_cost_where_it_has_graphs():
+    """The passes that heat a head graph (the first building kernels for new sizes) are not what the shape
+    costs: a server's warm-up taught the head's line 386 ms for a chain of 3 and no chain ever ran at 4
+    requests. Past `HOT_AFTER` eager passes in a row the shape is not compiling, and its eager time is its
+    cost; with no head graphs at all (`graph` None) every pass teaches."""
+    p = AdaptivePolicy(3)
+    plan = Plan(Arm(1), ["eagle3"] * 4)
+    for _ in range(HOT_AFTER):
+        p.learn_draft(4, plan, 0.3, graph=False)
+    assert p.costs.draft.samples == 0 and (Arm(1), 4) not in p.costs.head_seconds
+    p.learn_draft(4, plan, 0.3, graph=False)
+    assert p.costs.draft.samples == 1
+    p.learn_draft(4, plan, 0.006, graph=True)  # a graph pass teaches, and the next eager one is a first again
+    p.learn_draft(4, plan, 0.3, graph=False)
+    assert p.costs.draft.samples == 2 and p.costs.head_seconds[Arm(1), 4].recent[-1] == 0.006
+    eager_only = AdaptivePolicy(3)
+    eager_only.learn_draft(4, plan, 0.3)
+    assert eager_only.costs.draft.samples == 1
+
+
 def test_a_step_timed_beside_a_compile_teaches_no_cost():
     """A compile shares the cores (in-process engines compile at once): a step timed beside one teaches the
     target's line, the shape's record and the correction nothing. One request's run fitted its line to

@@ -44,6 +44,8 @@ class Eagle3Proposer(Proposer):
         self.scale = head.config.head_dim ** -0.5
         self.draft_ids_in_target = head.to_target(torch.arange(head.config.draft_vocab_size, device=head.d2t.device))
         self.graphs = None  # DraftGraphs (draft_graphs.py): greedy drafting (and, opt-in, extension), compiled
+        # whether the last `propose` extended and drafted through one compiled graph; None: no graphs at all
+        self.drafted_in_graph: bool | None = None
 
     def propose(self, proposal: Proposal, steps: int | None = None, tree: tuple[int, int, int] | None = None,
                 only: list[bool] | None = None) -> list[Drafts | None]:
@@ -76,6 +78,7 @@ class Eagle3Proposer(Proposer):
         if one_graph:  # one graph, or None: not hot / no fit
             chain = self.graphs.extend_and_chain(runs, ids, proposal.aux, steps, rows)
             out = (chain, None) if chain is not None else None
+        self.drafted_in_graph = out is not None if self.graphs is not None else None
         if out is None:
             out, positions = self._extend(runs, ids, proposal.aux[torch.tensor(rows, **long)])
             if need:

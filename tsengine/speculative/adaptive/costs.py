@@ -46,6 +46,9 @@ class StepCosts:
         # a mean: the head runs eagerly until its own graph compiles, at several times the cost
         self.draft = LinearCost(("base", "per_extended_row", "per_forward", "per_draft_row"))
         self.head_seconds: dict[tuple[Arm, int], RecentMedian] = {}
+        # `shape_key` -> the head's drafting steps in a row that ran eagerly where it has graphs: the first
+        # `HOT_AFTER` teach nothing (`learn_draft`)
+        self.head_eager_runs: dict[tuple[Arm, int], int] = {}
         # prompt lookup's and the decision's apart (every step pays them)
         self.overhead = LinearCost(("base", "per_request"))
         # the head's catch-up over rows kept while it did not draft (a pass of its own: adaptive_proposer)
@@ -69,10 +72,24 @@ class StepCosts:
             self._eager_at[key] = self.compiled
 
     def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None,
-                    overhead_seconds: float | None) -> float:
+                    overhead_seconds: float | None, graph: bool | None = None) -> float:
         """The head's and the rest of the step's seconds (`AdaptivePolicy.learn_draft`); returns the rest's
-        (the line's estimate where it was not measured)."""
+        (the line's estimate where it was not measured).
+
+        Where the head has compiled graphs (`graph` not None), a shape's first `HOT_AFTER` eager passes in a
+        row teach nothing: they are the passes that heat its graph, the first of them building kernels for
+        sizes met for the first time, and not what the shape costs once it runs. A server's warm-up request
+        ran the chains eagerly at one request (20, 107 and 386 ms for chains of 1, 2 and 3 drafts, against
+        6-14 ms for its graphs in another server); the head's line, fitted on those, priced a chain of 1 for
+        4 requests at a quarter of a second, so no chain ran at 4 requests, was ever measured there, or
+        explored (docs/benchmarks.md, "Thirteenth run"). Past `HOT_AFTER` the shape is not compiling (no
+        fit, or a rare shape): its eager passes are its cost."""
         heads = sum(plan.eagle)
+        if heads and graph is not None:
+            key = shape_key(plan.arm, heads)
+            self.head_eager_runs[key] = 0 if graph else self.head_eager_runs.get(key, 0) + 1
+            if 0 < self.head_eager_runs[key] <= HOT_AFTER:
+                head_seconds = None
         if head_seconds is not None and heads:
             self.draft.update([1.0, extended, *draft_work(plan.arm, heads)], head_seconds)
             self.head_seconds.setdefault(shape_key(plan.arm, heads), RecentMedian()).observe(head_seconds)

@@ -130,13 +130,14 @@ class AdaptivePolicy:
                 self.correction.observe(last.family, len(last.sources), proposal.tokens, promised)
 
     def learn_draft(self, extended: int, plan: Plan, head_seconds: float | None,
-                    overhead_seconds: float | None = 0.0) -> None:
+                    overhead_seconds: float | None = 0.0, graph: bool | None = None) -> None:
         """`head_seconds`: the head's extension and drafting, without its catch-up over rows kept from earlier
         steps (timed apart: adaptive_proposer); None: it compiled a graph, which says nothing about the cost.
         Learned from steps that drafted from it (no other does head work);
         `overhead_seconds`: the rest of the step outside the forward (prompt lookup, the choice, commit,
-        outputs; None: not measured, the line's estimate)."""
-        overhead_seconds = self.costs.learn_draft(extended, plan, head_seconds, overhead_seconds)
+        outputs; None: not measured, the line's estimate); `graph`: whether the head drafted through a compiled
+        graph (None: it has none, eager is its norm: `StepCosts.learn_draft`)."""
+        overhead_seconds = self.costs.learn_draft(extended, plan, head_seconds, overhead_seconds, graph)
         self.last = plan
         self.last_draft_seconds = None if head_seconds is None else head_seconds + overhead_seconds
 

@@ -66,7 +66,8 @@ class AdaptiveProposer(Proposer):
                 first.tokens.sum().item()  # a host sync, on purpose: the drafter's time must be measured
             fresh = not compile_worker.quiet(epoch)  # a compile's time says nothing about the plan's cost
             policy.learn_draft(extended, plan, None if fresh else time.perf_counter() - t1 - catch_up,
-                               None if between is None else t1 - t0 + between)
+                               None if between is None else t1 - t0 + between,
+                               graph=self.inner.drafted_in_graph)
             policy.draft_len = plan.arm.steps
             policy.chosen[plan.arm.name] += 1
             policy.drafted_by.update(plan.sources)
