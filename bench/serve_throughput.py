@@ -14,10 +14,10 @@ measured in `--rounds` rounds; in each round every server runs the level once, i
 round (no server always goes first). The summary reports per server and level the median over rounds,
 the min–max, the ratio to plain and, with an adaptive row, adaptive vs the best fixed row.
 
-Resolution: identical servers do not run alike. `--plain-replicas 3` on a 2-core AMD Zen 3 gave three plain
-servers medians 2-4% apart over 5 rounds, with single rounds 25-30% low (docs/benchmarks.md, "How far apart
-identical servers run"). Run with `--plain-replicas 2` or more to print that noise floor beside the verdict
-of each level: a margin inside it decides nothing.
+Resolution: identical servers do not run alike. On a 2-core AMD Zen 3, plain servers with the same flags ran
+3-4% apart in the median of 5 rounds in one run and 11% in another, with single rounds 25-30% low
+(docs/benchmarks.md, "Eleventh run" and "Twelfth run"). Run with `--plain-replicas 2` or more to print that
+spread beside the verdict of each level: a margin inside it decides nothing.
 """
 
 from __future__ import annotations
